@@ -1,0 +1,561 @@
+"""Stage 1 of the data flow: safetensors headers, read and validated, payload untouched.
+
+A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON,
+then the payload. Everything a plan needs (names, dtypes, shapes, byte ranges) is in the
+headers, so a checkpoint of hundreds of GB is understood — and rejected, if malformed — after
+reading a few MB. The rules follow the reference implementation, plus duplicate-key
+rejection: a JSON object that names a tensor twice is ambiguous, and parsers disagree about
+which entry wins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import stat
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ._errors import (
+    DuplicateKeyError,
+    DuplicateTensorError,
+    FileTooShortError,
+    HeaderBoundsError,
+    HeaderEncodingError,
+    HeaderJSONError,
+    HeaderTooLargeError,
+    IndexFileError,
+    IndexMismatchError,
+    InvalidShapeError,
+    MissingFileError,
+    OffsetError,
+    PayloadSizeError,
+    SizeMismatchError,
+    UnknownDtypeError,
+    UnsafePathError,
+)
+
+__all__ = ["Checkpoint", "ShardFile", "TensorInfo", "read_header", "parse_header", "DTYPES"]
+
+#: The reference implementation's limit; a larger header is refused before it is read.
+MAX_HEADER_BYTES = 100_000_000
+INDEX_NAME = "model.safetensors.index.json"
+_U64 = 1 << 64
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    table = {
+        "BOOL": torch.bool,
+        "U8": torch.uint8,
+        "I8": torch.int8,
+        "I16": torch.int16,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I32": torch.int32,
+        "F32": torch.float32,
+        "I64": torch.int64,
+        "F64": torch.float64,
+        "C64": torch.complex64,
+    }
+    # Newer dtypes exist only in newer torch builds; the range we support spans both.
+    optional = {
+        "U16": "uint16",
+        "U32": "uint32",
+        "U64": "uint64",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E8M0": "float8_e8m0fnu",
+    }
+    for st, attr in optional.items():
+        dt = getattr(torch, attr, None)
+        if isinstance(dt, torch.dtype):
+            table[st] = dt
+    return table
+
+
+#: safetensors dtype string -> torch dtype.
+DTYPES: Mapping[str, torch.dtype] = MappingProxyType(_dtype_table())
+_ITEMSIZE: dict[str, int] = {st: dt.itemsize for st, dt in DTYPES.items()}
+# Packed sub-byte formats have no torch dtype whose element is one value; a route into a slab
+# could not express them without reinterpreting bytes, so they are refused by name.
+_SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+_ST_NAME: dict[torch.dtype, str] = {dt: st for st, dt in DTYPES.items()}
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype (``torch.int16`` -> ``"I16"``)."""
+    return _ST_NAME.get(dtype, str(dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One tensor as its file's header declares it.
+
+    ``offset`` is absolute within ``file`` (header included), so a read needs nothing else.
+    """
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    st_dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardFile:
+    """One ``.safetensors`` file: where its payload starts, and what it was when planned.
+
+    ``size``, ``inode`` and ``mtime_ns`` let the loader notice a file replaced or truncated
+    between planning and reading, instead of reading garbage into a slab.
+    """
+
+    path: Path
+    size: int
+    header_len: int
+    metadata: Mapping[str, str]
+    tensors: tuple[str, ...]
+    inode: int
+    mtime_ns: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+
+def _as_dict(pairs: tuple[tuple[str, Any], ...], *, file: Path, what: str) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(f"{what} names key {key!r} twice", file=file)
+            seen.add(key)
+    return obj
+
+
+def _is_object(value: Any) -> bool:
+    return type(value) is tuple
+
+
+def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
+    """Top-level JSON object as a dict; nested objects stay tuples of pairs.
+
+    Duplicate keys must be caught, and a Python ``object_pairs_hook`` costs a call per
+    object (a million for a large checkpoint). ``tuple`` as the hook runs in C, keeps every
+    pair, and makes objects distinguishable from arrays (which stay lists); callers turn the
+    objects they use into dicts with :func:`_as_dict`, which checks for duplicates.
+    """
+    try:
+        obj = json.loads(text, object_pairs_hook=tuple)
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise HeaderJSONError(f"{what} is not valid JSON: {err}", file=file) from None
+    if not _is_object(obj):
+        raise HeaderJSONError(
+            f"{what} must be a JSON object, got {type(obj).__name__}", file=file
+        )
+    return _as_dict(obj, file=file, what=what)
+
+
+def parse_header(
+    header: bytes, *, file_size: int, file: str | os.PathLike[str] = "<memory>"
+) -> tuple[dict[str, str], list[TensorInfo]]:
+    """Validate the JSON header of a file of ``file_size`` bytes.
+
+    Returns the ``__metadata__`` map and the tensors in payload order. Pure: no I/O, so the
+    rules are property-tested on bytes alone.
+    """
+    path = file if isinstance(file, Path) else Path(file)
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise HeaderEncodingError(f"header is not UTF-8: {err}", file=path) from None
+    obj = _loads_object(text, file=path, what="header")
+    data_start = 8 + len(header)
+
+    metadata: dict[str, str] = {}
+    raw_meta = obj.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not _is_object(raw_meta):
+            raise HeaderJSONError("__metadata__ must map strings to strings", file=path)
+        metadata = _as_dict(raw_meta, file=path, what="__metadata__")
+        if not all(type(v) is str for v in metadata.values()):
+            raise HeaderJSONError("__metadata__ must map strings to strings", file=path)
+
+    entries: list[tuple[int, int, str, str, tuple[int, ...]]] = []
+    itemsizes = _ITEMSIZE
+    for name, pairs in obj.items():
+        if type(pairs) is not tuple:
+            raise HeaderJSONError(
+                f"entry must be an object, got {type(pairs).__name__}", file=path, tensor=name
+            )
+        info = dict(pairs)
+        if len(info) != len(pairs):
+            _as_dict(pairs, file=path, what=f"entry {name!r}")
+        try:
+            st = info["dtype"]
+            shape = info["shape"]
+            offsets = info["data_offsets"]
+        except KeyError as missing:
+            raise HeaderJSONError(
+                f"entry lacks {missing.args[0]!r}", file=path, tensor=name
+            ) from None
+        itemsize = itemsizes.get(st) if type(st) is str else None
+        if itemsize is None:
+            why = "sub-byte dtypes are not supported" if st in _SUB_BYTE else "unknown dtype"
+            raise UnknownDtypeError(
+                f"{why} {st!r}; expected one of {sorted(itemsizes)}",
+                file=path,
+                tensor=name,
+                got=st,
+            )
+        bad_shape = type(shape) is not list
+        if not bad_shape:
+            for dim in shape:
+                if type(dim) is not int or dim < 0:
+                    bad_shape = True
+        if bad_shape:
+            raise InvalidShapeError(
+                f"shape must be a list of non-negative integers, got {shape!r}",
+                file=path,
+                tensor=name,
+                got=shape,
+            )
+        if (
+            type(offsets) is not list
+            or len(offsets) != 2
+            or type(offsets[0]) is not int
+            or type(offsets[1]) is not int
+        ):
+            raise HeaderJSONError(
+                f"data_offsets must be two integers, got {offsets!r}", file=path, tensor=name
+            )
+        begin, end = offsets
+        if begin < 0 or end < begin or end >= _U64:
+            raise OffsetError(
+                f"data_offsets [{begin}, {end}] are not an ordered range of byte offsets",
+                file=path,
+                tensor=name,
+            )
+        expected = math.prod(shape) * itemsize
+        if expected != end - begin:
+            overflow = " (overflows 64 bits)" if expected >= _U64 else ""
+            raise SizeMismatchError(
+                f"shape {shape} x {itemsize} bytes ({st}) = {expected} bytes{overflow}, "
+                f"but data_offsets span {end - begin}",
+                file=path,
+                tensor=name,
+                expected=expected,
+                got=end - begin,
+            )
+        entries.append((begin, end, name, st, tuple(shape)))
+
+    entries.sort()
+    position = 0
+    previous: str | None = None
+    for begin, end, name, _, _ in entries:
+        if begin != position:
+            kind = "gap before" if begin > position else "overlap with"
+            after = f" after {previous!r}" if previous is not None else ""
+            raise OffsetError(
+                f"{kind} tensor: it starts at {begin}, expected {position}{after}; "
+                "tensors must be contiguous from offset 0",
+                file=path,
+                tensor=name,
+                expected=position,
+                got=begin,
+            )
+        position = end
+        previous = name
+    payload_end = data_start + position
+    if payload_end != file_size:
+        what = "truncated" if payload_end > file_size else "has trailing bytes"
+        raise PayloadSizeError(
+            f"file {what}: payload should end at byte {payload_end}, file has {file_size}",
+            file=path,
+            expected=payload_end,
+            got=file_size,
+        )
+    dtypes = DTYPES
+    tensors = [
+        TensorInfo(name, path, dtypes[st], st, shape, data_start + begin, end - begin)
+        for begin, end, name, st, shape in entries
+    ]
+    return metadata, tensors
+
+
+def read_header(path: str | os.PathLike[str]) -> tuple[ShardFile, list[TensorInfo]]:
+    """Read and validate one file's header; the payload is never read."""
+    path = path if isinstance(path, Path) else Path(path)
+    fd = _open_regular(path)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size < 8:
+            raise FileTooShortError(
+                f"file has {size} bytes, fewer than the 8-byte header length", file=path
+            )
+        header_len = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if header_len > MAX_HEADER_BYTES:
+            raise HeaderTooLargeError(
+                f"header length {header_len} exceeds the limit of {MAX_HEADER_BYTES}",
+                file=path,
+                got=header_len,
+            )
+        if 8 + header_len > size:
+            raise HeaderBoundsError(
+                f"header length {header_len} runs past the end of the file ({size} bytes)",
+                file=path,
+                got=header_len,
+            )
+        header = _pread_exact(fd, header_len, 8)
+    finally:
+        os.close(fd)
+    metadata, tensors = parse_header(header, file_size=size, file=path)
+    shard = ShardFile(
+        path=path,
+        size=size,
+        header_len=header_len,
+        metadata=MappingProxyType(metadata),
+        tensors=tuple(t.name for t in tensors),
+        inode=st.st_ino,
+        mtime_ns=st.st_mtime_ns,
+    )
+    return shard, tensors
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = os.pread(fd, n, offset)
+        if not chunk:
+            raise HeaderBoundsError("file shrank while its header was read")
+        chunks.append(chunk)
+        n -= len(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _open_regular(path: Path) -> int:
+    # Check before opening: opening a FIFO named by a hostile index would block forever.
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MissingFileError("file does not exist", file=path) from None
+    except OSError as err:
+        raise MissingFileError(f"cannot stat file: {err.strerror}", file=path) from err
+    if not stat.S_ISREG(st.st_mode):
+        raise MissingFileError("not a regular file", file=path)
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise MissingFileError(f"cannot open file: {err.strerror}", file=path) from err
+
+
+class Checkpoint:
+    """The headers of a whole checkpoint: one file, or a directory of shard files.
+
+    Opening reads every header and no payload. ``tensors`` maps each name to its
+    :class:`TensorInfo`, in file order, then payload order.
+    """
+
+    __slots__ = ("root", "files", "tensors", "index")
+
+    root: Path
+    files: tuple[ShardFile, ...]
+    tensors: Mapping[str, TensorInfo]
+    index: Path | None
+
+    def __init__(
+        self,
+        root: Path,
+        files: tuple[ShardFile, ...],
+        tensors: Mapping[str, TensorInfo],
+        index: Path | None,
+    ) -> None:
+        self.root = root
+        self.files = files
+        self.tensors = tensors
+        self.index = index
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Accepts a ``.safetensors`` file, a directory with ``model.safetensors.index.json``,
+        or a directory of ``*.safetensors`` files."""
+        path = Path(path)
+        with _gc_paused():
+            return cls._open(path)
+
+    @classmethod
+    def _open(cls, path: Path) -> Checkpoint:
+        if path.is_dir():
+            root = path
+            index_path = root / INDEX_NAME
+            if index_path.exists():
+                weight_map = _read_index(index_path)
+                paths = _index_files(root, weight_map, index_path)
+            else:
+                index_path = None
+                weight_map = None
+                paths = [_check_inside(root, p.name, None) for p in sorted(root.glob("*.safetensors"))]
+                if not paths:
+                    raise MissingFileError("no *.safetensors files and no index", file=root)
+        else:
+            root = path.parent
+            index_path = None
+            weight_map = None
+            paths = [path]
+
+        files: list[ShardFile] = []
+        tensors: dict[str, TensorInfo] = {}
+        for file_path in paths:
+            shard, infos = read_header(file_path)
+            files.append(shard)
+            if not tensors.keys().isdisjoint(shard.tensors):
+                _raise_duplicate(infos, tensors, file_path)
+            tensors.update((info.name, info) for info in infos)
+        if weight_map is not None:
+            assert index_path is not None
+            _check_index_matches(weight_map, paths, tensors, index_path, root)
+        return cls(root, tuple(files), MappingProxyType(tensors), index_path)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __iter__(self) -> Iterator[TensorInfo]:
+        return iter(self.tensors.values())
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.root)!r}, files={len(self.files)}, tensors={len(self.tensors)})"
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes over all files."""
+        return sum(f.size - f.data_start for f in self.files)
+
+
+def _raise_duplicate(
+    infos: list[TensorInfo], tensors: Mapping[str, TensorInfo], file_path: Path
+) -> None:
+    for info in infos:
+        first = tensors.get(info.name)
+        if first is not None:
+            raise DuplicateTensorError(
+                f"also present in {first.file}; a tensor must live in one file",
+                file=file_path,
+                tensor=info.name,
+            )
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    # Parsing a large checkpoint creates millions of small containers, none cyclic; each
+    # allocation burst would trigger a full collection over everything parsed so far, which
+    # made opening 1M tensors several times slower.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        text = index_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise IndexFileError(f"cannot read index: {err}", file=index_path) from err
+    try:
+        obj = _loads_object(text, file=index_path, what="index")
+    except (HeaderJSONError, DuplicateKeyError) as err:
+        raise IndexFileError(err.message, file=index_path) from None
+    raw_map = obj.get("weight_map")
+    if not _is_object(raw_map):
+        raise IndexFileError("index has no 'weight_map' object", file=index_path)
+    try:
+        weight_map = _as_dict(raw_map, file=index_path, what="weight_map")
+    except DuplicateKeyError as err:
+        raise IndexFileError(err.message, file=index_path) from None
+    for name, file_name in weight_map.items():
+        if type(file_name) is not str:
+            raise IndexFileError(
+                f"weight_map entry maps to {file_name!r}, expected a file name",
+                file=index_path,
+                tensor=name,
+            )
+    return weight_map
+
+
+def _check_inside(root: Path, name: str, index_path: Path | None) -> Path:
+    where = index_path if index_path is not None else root / name
+    pure = Path(name)
+    if pure.is_absolute() or ".." in pure.parts or name == "":
+        raise UnsafePathError(
+            f"file name {name!r} must be relative and stay inside {root}", file=where
+        )
+    candidate = root / pure
+    resolved = candidate.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise UnsafePathError(
+            f"{name!r} resolves to {resolved}, outside the checkpoint directory {root}",
+            file=where,
+        )
+    return candidate
+
+
+def _index_files(root: Path, weight_map: Mapping[str, str], index_path: Path) -> list[Path]:
+    paths: list[Path] = []
+    by_target: dict[Path, str] = {}
+    for name in dict.fromkeys(weight_map.values()):
+        candidate = _check_inside(root, name, index_path)
+        target = candidate.resolve()
+        if target in by_target:
+            raise IndexFileError(
+                f"{by_target[target]!r} and {name!r} name the same file", file=index_path
+            )
+        by_target[target] = name
+        paths.append(candidate)
+    return paths
+
+
+def _check_index_matches(
+    weight_map: Mapping[str, str],
+    paths: list[Path],
+    tensors: Mapping[str, TensorInfo],
+    index_path: Path,
+    root: Path,
+) -> None:
+    by_name = {str(p.relative_to(root)): p for p in paths}
+    # Index entries repeat a few file names a million times: resolve each name once.
+    expected_for = {name: by_name[str(Path(name))] for name in set(weight_map.values())}
+    for name, file_name in weight_map.items():
+        info = tensors.get(name)
+        if info is None or info.file is not expected_for[file_name]:
+            actual = f"it is in {info.file}" if info is not None else "no file has it"
+            raise IndexMismatchError(
+                f"index places it in {file_name!r}, but {actual}",
+                file=index_path,
+                tensor=name,
+            )
+    if len(weight_map) != len(tensors):
+        extra = [name for name in tensors if name not in weight_map]
+        info = tensors[extra[0]]
+        raise IndexMismatchError(
+            f"present in the file but absent from the index ({len(extra)} such tensors)",
+            file=info.file,
+            tensor=info.name,
+        )
