@@ -1,0 +1,449 @@
+"""Mixture-of-experts planning: exact expert partitions and the tiered expert rule.
+
+Experts quantized at different bit rates ("tiers") cannot share one slab, so each layer's
+experts are partitioned into groups, one slab per (group, fused projection, suffix), laid out
+``backing[shard_index, group_offset]``. The partition is exact — every expert exactly once,
+nothing unknown — and an expert's offset is its rank inside its group, so the layout is a
+pure function of the partition.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from ._errors import (
+    CoverageError,
+    DtypeMismatchError,
+    PartitionError,
+    PlanError,
+    TierMapError,
+    UnmatchedTensorError,
+)
+from ._format import Checkpoint, TensorInfo, safetensors_dtype
+from ._plan import Claim, Route, SlabSpec, make_route, mode_shape
+
+__all__ = ["ExpertPartition", "TieredMoE", "load_tier_map", "EXL3_EXPERT_PATTERN"]
+
+
+def _listing(items: Iterable[object], limit: int = 10) -> str:
+    items = list(items)
+    shown = ", ".join(str(i) for i in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertPartition:
+    """An exact partition of expert ids into named groups, in group order.
+
+    ``locate(expert) == (group, offset)`` with offset the rank of the id inside its group,
+    so two processes that agree on the partition agree on every slot.
+    """
+
+    groups: Mapping[str, tuple[int, ...]]
+    _where: Mapping[int, tuple[str, int]] = field(compare=False, repr=False, default_factory=dict)
+
+    def __init__(
+        self, groups: Mapping[str, Iterable[int]], experts: Iterable[int] | None = None
+    ) -> None:
+        normalized = {name: tuple(sorted(ids)) for name, ids in groups.items()}
+        where: dict[int, tuple[str, int]] = {}
+        duplicated: dict[int, list[str]] = defaultdict(list)
+        for name, ids in normalized.items():
+            if len(set(ids)) != len(ids):
+                for e in sorted({e for e in ids if ids.count(e) > 1}):
+                    duplicated[e].append(name)
+            for offset, expert in enumerate(ids):
+                if expert in where and where[expert][0] != name:
+                    duplicated[expert].extend([where[expert][0], name])
+                where.setdefault(expert, (name, offset))
+        problems = []
+        if duplicated:
+            problems.append(
+                "experts in more than one place: "
+                + _listing(f"{e} ({', '.join(dict.fromkeys(g))})" for e, g in sorted(duplicated.items()))
+            )
+        if experts is not None:
+            universe = set(experts)
+            missing = sorted(universe - where.keys())
+            unknown = sorted(where.keys() - universe)
+            if missing:
+                problems.append(f"experts in no group: {_listing(missing)}")
+            if unknown:
+                problems.append(f"unknown experts: {_listing(unknown)}")
+        if problems:
+            raise PartitionError("not an exact partition: " + "; ".join(problems))
+        object.__setattr__(self, "groups", MappingProxyType(normalized))
+        object.__setattr__(self, "_where", MappingProxyType(where))
+
+    @classmethod
+    def from_assignment(
+        cls,
+        assignment: Mapping[int, str],
+        experts: Iterable[int] | None = None,
+        order: Iterable[str] | None = None,
+    ) -> ExpertPartition:
+        """From ``expert -> group``; groups in ``order`` (default: sorted names)."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for expert, group in assignment.items():
+            groups[group].append(expert)
+        names = list(order) if order is not None else sorted(groups)
+        extra = set(groups) - set(names)
+        if extra:
+            raise PartitionError(f"groups {sorted(extra)} are not in the given order {names}")
+        return cls({name: groups.get(name, ()) for name in names}, experts)
+
+    def locate(self, expert: int) -> tuple[str, int]:
+        try:
+            return self._where[expert]
+        except KeyError:
+            raise PartitionError(f"expert {expert} is in no group") from None
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        return tuple(sorted(self._where))
+
+    def sizes(self) -> dict[str, int]:
+        return {name: len(ids) for name, ids in self.groups.items()}
+
+
+#: ``model.layers.L.mlp.experts.E.<proj>[.rank<r>].<suffix>``
+EXL3_EXPERT_PATTERN = (
+    r"(?P<prefix>(?:.*\.)?layers\.(?P<layer>\d+)\.mlp\.experts)"
+    r"\.(?P<expert>\d+)\.(?P<proj>[^.]+)(?:\.rank(?P<rank>\d+))?\.(?P<suffix>[^.]+)"
+)
+
+
+def trellis_bits(shape: tuple[int, ...]) -> int:
+    """EXL3 trellis ``(in/16, out/16, 16*K)``: bits per weight K from the last dim."""
+    return shape[-1] // 16 if shape else 0
+
+
+def _k_name(bits: int) -> str:
+    return f"K{bits}"
+
+
+def _layer_unit(layer: int) -> str:
+    return f"layers.{layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Expert:
+    info: TensorInfo
+    layer: int
+    expert: int
+    proj: str
+    rank: int | None
+    suffix: str
+    prefix: str
+
+
+@dataclass(frozen=True, slots=True)
+class TieredMoE:
+    """Plans a layer's experts into per-tier slabs; every name and rule is a parameter.
+
+    ``pattern`` must have named groups ``prefix``, ``layer``, ``expert``, ``proj`` and
+    ``suffix`` (and optionally ``rank``). ``fusion`` maps each fused projection to its
+    shards in order (W13 = gate then up). ``schema`` gives each placed suffix its required
+    dtype; ``markers`` are suffixes that are dtype-checked and never placed. The tier of an
+    expert comes from ``tier_of(shape of its tier_suffix tensor)``, verified against
+    ``tier_map`` when one is declared. ``tier_suffix=None`` puts every expert in one group.
+    With ``rank`` set, a rank-sliced checkpoint routes only that rank's slices.
+    """
+
+    pattern: str = EXL3_EXPERT_PATTERN
+    fusion: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)}
+    )
+    schema: Mapping[str, torch.dtype] = field(
+        default_factory=lambda: {"trellis": torch.int16, "suh": torch.float16, "svh": torch.float16}
+    )
+    markers: Mapping[str, torch.dtype] = field(
+        default_factory=lambda: {"mcg": torch.int32, "mul1": torch.int32}
+    )
+    tier_suffix: str | None = "trellis"
+    tier_of: Callable[[tuple[int, ...]], int] = trellis_bits
+    group_name: Callable[[int], str] = _k_name
+    tier_map: Mapping[int, Mapping[int, int]] | None = None
+    rank: int | None = None
+    n_experts: int | None = None
+    unit_of: Callable[[int], str] = _layer_unit
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        regex = re.compile(self.pattern)
+        shard_of = {p: (f, i) for f, projs in self.fusion.items() for i, p in enumerate(projs)}
+        by_layer: dict[int, list[_Expert]] = defaultdict(list)
+        for name, info in pending.items():
+            m = regex.fullmatch(name)
+            if m is None:
+                continue
+            proj, suffix = m.group("proj"), m.group("suffix")
+            if proj not in shard_of or (suffix not in self.schema and suffix not in self.markers):
+                what = f"projection {proj!r}" if proj not in shard_of else f"suffix {suffix!r}"
+                raise UnmatchedTensorError(
+                    f"expert tensor with unknown {what}; projections: {sorted(shard_of)}, "
+                    f"placed suffixes: {sorted(self.schema)}, markers: {sorted(self.markers)}",
+                    file=info.file,
+                    tensor=name,
+                )
+            rank = m.groupdict().get("rank")
+            by_layer[int(m.group("layer"))].append(
+                _Expert(
+                    info,
+                    int(m.group("layer")),
+                    int(m.group("expert")),
+                    proj,
+                    int(rank) if rank is not None else None,
+                    suffix,
+                    m.group("prefix"),
+                )
+            )
+        if self.tier_map is not None:
+            extra_layers = sorted(set(self.tier_map) - set(by_layer))
+            if extra_layers:
+                raise TierMapError(
+                    f"tier map declares layers {_listing(extra_layers)}, which have no experts "
+                    "in the checkpoint"
+                )
+
+        skipped: list[str] = []
+        own = self._select_rank(by_layer, skipped)
+        slabs: list[SlabSpec] = []
+        routes: list[Route] = []
+        checked: list[str] = []
+        partitions: dict[int, ExpertPartition] = {}
+        for layer in sorted(own):
+            partition, layer_slabs, layer_routes = self._plan_layer(layer, own[layer], checked)
+            partitions[layer] = partition
+            slabs.extend(layer_slabs)
+            routes.extend(layer_routes)
+        tiers = {layer: p.sizes() for layer, p in partitions.items()}
+        return Claim(
+            slabs=tuple(slabs),
+            routes=tuple(routes),
+            checked=tuple(checked),
+            skipped=tuple(skipped),
+            extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
+        )
+
+    def _select_rank(
+        self, by_layer: Mapping[int, list[_Expert]], skipped: list[str]
+    ) -> dict[int, list[_Expert]]:
+        ranks = {t.rank for items in by_layer.values() for t in items}
+        if not ranks or ranks == {None}:
+            if self.rank is not None:
+                raise PlanError(
+                    f"rank={self.rank} was given, but the checkpoint's expert tensors are not "
+                    "rank-sliced ('...<proj>.rank<r>.<suffix>')"
+                )
+            return dict(by_layer)
+        if None in ranks:
+            plain = next(t for items in by_layer.values() for t in items if t.rank is None)
+            raise PlanError(
+                "checkpoint mixes rank-sliced and whole expert tensors",
+                file=plain.info.file,
+                tensor=plain.info.name,
+            )
+        n_ranks = max(r for r in ranks if r is not None) + 1
+        if self.rank is None:
+            raise PlanError(
+                f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})"
+            )
+        if not 0 <= self.rank < n_ranks:
+            raise PlanError(f"rank={self.rank}, but the checkpoint has ranks 0..{n_ranks - 1}")
+        seen: dict[tuple[int, int, str, str], set[int]] = defaultdict(set)
+        for items in by_layer.values():
+            for t in items:
+                assert t.rank is not None
+                seen[(t.layer, t.expert, t.proj, t.suffix)].add(t.rank)
+        for (layer, expert, proj, suffix), got in seen.items():
+            if len(got) != n_ranks:
+                missing = sorted(set(range(n_ranks)) - got)
+                raise CoverageError(
+                    f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
+                    f"{_listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
+                    layer=layer,
+                    expert=expert,
+                    missing_ranks=missing,
+                )
+        own: dict[int, list[_Expert]] = {}
+        for layer, items in by_layer.items():
+            own[layer] = [t for t in items if t.rank == self.rank]
+            skipped.extend(t.info.name for t in items if t.rank != self.rank)
+        return own
+
+    def _partition(self, layer: int, items: list[_Expert]) -> ExpertPartition:
+        seen = sorted({t.expert for t in items})
+        observed: dict[int, dict[int, list[TensorInfo]]] = defaultdict(lambda: defaultdict(list))
+        if self.tier_suffix is None:
+            universe = range(self.n_experts or (max(seen) + 1))
+            return ExpertPartition({"all": seen}, universe)
+        for t in items:
+            if t.suffix == self.tier_suffix:
+                observed[t.expert][self.tier_of(t.info.shape)].append(t.info)
+        no_tier = [e for e in seen if e not in observed]
+        if no_tier:
+            raise CoverageError(
+                f"layer {layer}: experts {_listing(no_tier)} have no {self.tier_suffix!r} "
+                "tensor, so their tier is unknown",
+                layer=layer,
+                experts=no_tier,
+            )
+        for expert, by_bits in observed.items():
+            if len(by_bits) > 1:
+                detail = "; ".join(
+                    f"{infos[0].name} says {bits}" for bits, infos in sorted(by_bits.items())
+                )
+                raise TierMapError(
+                    f"layer {layer} expert {expert}: projections disagree on the tier ({detail})",
+                    layer=layer,
+                    expert=expert,
+                )
+        bits_of = {e: next(iter(b)) for e, b in observed.items()}
+        if self.tier_map is not None:
+            declared = self.tier_map.get(layer)
+            if declared is None:
+                raise TierMapError(f"tier map has no entry for MoE layer {layer}", layer=layer)
+            universe: Iterable[int] = declared.keys()
+            wrong = [
+                (e, declared[e], bits, observed[e][bits][0].name)
+                for e, bits in sorted(bits_of.items())
+                if e in declared and declared[e] != bits
+            ]
+            if wrong:
+                e, want, got, name = wrong[0]
+                raise TierMapError(
+                    f"layer {layer}: tier map declares {len(wrong)} experts at other bit rates "
+                    f"than their {self.tier_suffix} shapes; first: expert {e} declared {want}, "
+                    f"shape says {got}",
+                    tensor=name,
+                    layer=layer,
+                    expert=e,
+                    expected=want,
+                    got=got,
+                )
+        else:
+            universe = range(self.n_experts or (max(seen) + 1))
+        try:
+            return ExpertPartition.from_assignment(
+                {e: self.group_name(b) for e, b in bits_of.items()},
+                universe,
+                order=[self.group_name(b) for b in sorted(set(bits_of.values()))],
+            )
+        except PartitionError as err:
+            raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
+
+    def _plan_layer(
+        self, layer: int, items: list[_Expert], checked: list[str]
+    ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
+        partition = self._partition(layer, items)
+        prefix = items[0].prefix
+        placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]] = defaultdict(list)
+        present: set[tuple[int, str, str]] = set()
+        for t in items:
+            if t.suffix in self.markers:
+                expected = self.markers[t.suffix]
+                if t.info.dtype != expected:
+                    raise DtypeMismatchError(
+                        f"dtype {t.info.st_dtype}, marker {t.suffix!r} must be "
+                        f"{safetensors_dtype(expected)} (layer {layer}, expert {t.expert}, "
+                        f"shard {t.proj!r})",
+                        file=t.info.file,
+                        tensor=t.info.name,
+                        expected=safetensors_dtype(expected),
+                        got=t.info.st_dtype,
+                    )
+                checked.append(t.info.name)
+                continue
+            group, offset = partition.locate(t.expert)
+            fused = next(f for f, projs in self.fusion.items() if t.proj in projs)
+            shards = self.fusion[fused]
+            slot = (shards.index(t.proj), offset) if len(shards) > 1 else (offset,)
+            placed[(group, fused, t.suffix)].append((slot, t))
+            present.add((t.expert, t.proj, t.suffix))
+        missing = [
+            f"{prefix}.{e}.{proj}.{suffix}"
+            for e in partition.experts
+            for projs in self.fusion.values()
+            for proj in projs
+            for suffix in self.schema
+            if (e, proj, suffix) not in present
+        ]
+        if missing:
+            raise CoverageError(
+                f"layer {layer}: {len(missing)} expert tensors missing: {_listing(missing, 5)}",
+                layer=layer,
+                missing=missing,
+            )
+        slabs: list[SlabSpec] = []
+        routes: list[Route] = []
+        for group, members in partition.groups.items():
+            for fused, shards in self.fusion.items():
+                for suffix, dtype in self.schema.items():
+                    entries = placed[(group, fused, suffix)]
+                    slot_dims = (len(shards), len(members)) if len(shards) > 1 else (len(members),)
+                    spec = SlabSpec(
+                        name=f"{prefix}.{group}.{fused}.{suffix}",
+                        unit=self.unit_of(layer),
+                        dtype=dtype,
+                        slot_dims=slot_dims,
+                        item_shape=mode_shape(t.info.shape for _, t in entries),
+                        labels={
+                            "kind": "experts",
+                            "layer": str(layer),
+                            "group": group,
+                            "projection": fused,
+                            "suffix": suffix,
+                        },
+                    )
+                    slabs.append(spec)
+                    routes.extend(
+                        make_route(
+                            t.info, spec, slot, layer=layer, expert=t.expert, shard=t.proj, suffix=suffix
+                        )
+                        for slot, t in entries
+                    )
+        return partition, slabs, routes
+
+
+def load_tier_map(source: str | Path | Mapping[str, Any]) -> dict[int, dict[int, int]]:
+    """Read a declared tier map: ``{"<layer>": {"<expert>": bits}}`` or
+    ``{"<layer>": [bits of expert 0, 1, ...]}``, optionally under a top-level ``"layers"``."""
+    where = str(source) if isinstance(source, (str, Path)) else "<tier map>"
+    if isinstance(source, (str, Path)):
+        try:
+            raw: Any = json.loads(Path(source).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise TierMapError(f"cannot read tier map: {err}", file=where) from err
+    else:
+        raw = source
+    if isinstance(raw, Mapping) and isinstance(raw.get("layers"), Mapping):
+        raw = raw["layers"]
+    if not isinstance(raw, Mapping):
+        raise TierMapError("tier map must be a JSON object of layers", file=where)
+    result: dict[int, dict[int, int]] = {}
+    try:
+        for layer, experts in raw.items():
+            if isinstance(experts, list):
+                pairs: Iterable[tuple[Any, Any]] = enumerate(experts)
+            elif isinstance(experts, Mapping):
+                pairs = experts.items()
+            else:
+                raise TypeError(f"layer {layer}: expected an object or a list")
+            entry: dict[int, int] = {}
+            for expert, bits in pairs:
+                if type(bits) is not int or bits <= 0:
+                    raise TypeError(f"layer {layer} expert {expert}: bits must be a positive int")
+                entry[int(expert)] = bits
+            result[int(layer)] = entry
+    except (TypeError, ValueError) as err:
+        raise TierMapError(f"malformed tier map: {err}", file=where) from None
+    return result

@@ -1,0 +1,428 @@
+"""Stage 2 of the data flow: where every tensor goes, decided and checked before any I/O.
+
+A plan is pure data. Rules (see :mod:`asyncslab._rules` and :mod:`asyncslab._moe`) claim
+checkpoint tensors and say which slab and slot each one lands in; :func:`plan` then checks
+the whole result — every slot covered exactly once, every dtype equal to the slab's (which
+comes from a schema, never from the first tensor seen), every shape equal to the slot's —
+and raises before a byte of payload is read.
+
+Vocabulary: a **slab** is one preallocated backing tensor; a **slot** is an index into its
+leading dimensions; a **route** maps one checkpoint tensor to ``(slab, slot)``; a **unit**
+(normally a layer) is the set of slabs whose completeness gates binding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, NamedTuple, Protocol
+
+import torch
+
+from ._errors import (
+    CoverageError,
+    DtypeMismatchError,
+    PlanError,
+    ShapeMismatchError,
+    UnmatchedTensorError,
+)
+from ._format import Checkpoint, ShardFile, TensorInfo, safetensors_dtype
+
+__all__ = [
+    "SlabSpec",
+    "Route",
+    "Location",
+    "Plan",
+    "Rule",
+    "Claim",
+    "plan",
+    "unit_of_layer",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SlabSpec:
+    """One preallocated backing: ``shape == slot_dims + item_shape``.
+
+    Slots are the leading ``slot_dims``; slot ``s`` starts ``linear(s) * slot_nbytes`` bytes
+    into the backing, so every slot is one contiguous byte range. ``labels`` are for
+    humans and summaries (layer, group, projection, suffix); nothing routes by them.
+    """
+
+    name: str
+    unit: str
+    dtype: torch.dtype
+    slot_dims: tuple[int, ...]
+    item_shape: tuple[int, ...]
+    labels: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.slot_dims + self.item_shape
+
+    @property
+    def n_slots(self) -> int:
+        return math.prod(self.slot_dims)
+
+    @property
+    def slot_nbytes(self) -> int:
+        return math.prod(self.item_shape) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_slots * self.slot_nbytes
+
+    def slot_offset(self, slot: tuple[int, ...]) -> int:
+        """Byte offset of ``slot`` within the backing."""
+        if len(slot) != len(self.slot_dims) or not all(
+            0 <= i < n for i, n in zip(slot, self.slot_dims, strict=True)
+        ):
+            raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}")
+        linear = 0
+        for index, extent in zip(slot, self.slot_dims, strict=True):
+            linear = linear * extent + index
+        return linear * self.slot_nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One checkpoint tensor, its bytes on disk, and the slot they land in.
+
+    ``layer``, ``expert``, ``shard`` and ``suffix`` are there for messages; an error about
+    a route names all that are known.
+    """
+
+    tensor: str
+    file: Path
+    src_offset: int
+    nbytes: int
+    slab: str
+    slot: tuple[int, ...]
+    dst_offset: int
+    unit: str
+    layer: int | None = None
+    expert: int | None = None
+    shard: str | None = None
+    suffix: str | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.suffix is not None:
+            parts.append(f"suffix {self.suffix!r}")
+        if self.layer is not None:
+            parts.append(f"layer {self.layer}")
+        if self.expert is not None:
+            parts.append(f"expert {self.expert}")
+        if self.shard is not None:
+            parts.append(f"shard {self.shard!r}")
+        parts.append(f"slab {self.slab!r} slot {self.slot}")
+        return ", ".join(parts)
+
+
+class Location(NamedTuple):
+    """Where a tensor lands: ``slab, slot = plan.where(name)``."""
+
+    slab: str
+    slot: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one rule decided: slabs to allocate, routes into them, and tensors it owns but
+    does not place (``checked``: validated markers; ``skipped``: another rank's slices)."""
+
+    slabs: tuple[SlabSpec, ...] = ()
+    routes: tuple[Route, ...] = ()
+    checked: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    extras: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Rule(Protocol):
+    """Claims tensors of a checkpoint. ``pending`` holds those no earlier rule claimed."""
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim: ...
+
+
+def make_route(info: TensorInfo, spec: SlabSpec, slot: tuple[int, ...], **context: Any) -> Route:
+    """A route for ``info`` into ``slot`` of ``spec``; rules call this, :func:`plan` checks it."""
+    return Route(
+        tensor=info.name,
+        file=info.file,
+        src_offset=info.offset,
+        nbytes=info.nbytes,
+        slab=spec.name,
+        slot=slot,
+        dst_offset=spec.slot_offset(slot),
+        unit=spec.unit,
+        **context,
+    )
+
+
+_LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+
+
+def unit_of_layer(name: str) -> str:
+    """Default unit: ``layers.N`` for tensors of layer N, ``globals`` for the rest."""
+    match = _LAYER.search(name)
+    return f"layers.{match.group(1)}" if match else "globals"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A validated plan: slabs to allocate and where every checkpoint tensor lands.
+
+    Routes are in payload order (file, then offset), which is the order the scheduler reads
+    them. ``files`` records each shard as planned, so a load can refuse a file that changed.
+    """
+
+    slabs: Mapping[str, SlabSpec]
+    routes: tuple[Route, ...]
+    units: Mapping[str, tuple[str, ...]]
+    checked: tuple[str, ...]
+    skipped: tuple[str, ...]
+    files: tuple[ShardFile, ...]
+    extras: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    _index: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    def where(self, tensor: str) -> Location:
+        """Slab and slot of ``tensor``; ``KeyError`` names tensors that are not placed."""
+        try:
+            route = self.routes[self._index[tensor]]
+        except KeyError:
+            why = (
+                "is checked but not placed"
+                if tensor in self.checked
+                else "is skipped by this plan"
+                if tensor in self.skipped
+                else "is not in this plan"
+            )
+            raise KeyError(f"tensor {tensor!r} {why}") from None
+        return Location(route.slab, route.slot)
+
+    def route(self, tensor: str) -> Route:
+        self.where(tensor)
+        return self.routes[self._index[tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every slab together: what a load allocates and writes."""
+        return sum(spec.nbytes for spec in self.slabs.values())
+
+    @property
+    def layout_fingerprint(self) -> str:
+        """Hash of the slab specs alone: two plans with the same layout can share slabs."""
+        h = hashlib.sha256()
+        for spec in self.slabs.values():
+            h.update(f"{spec.name}|{spec.unit}|{spec.dtype}|{spec.shape};".encode())
+        return h.hexdigest()[:16]
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of layout and routes: equal on every rank that planned the same load."""
+        h = hashlib.sha256(self.layout_fingerprint.encode())
+        for r in self.routes:
+            h.update(f"{r.tensor}|{r.slab}|{r.slot}|{r.nbytes};".encode())
+        return h.hexdigest()[:16]
+
+    def summary(self) -> dict[str, Any]:
+        """Slabs, bytes per group and tensors per unit, as JSON-ready data."""
+        per_unit: dict[str, dict[str, int]] = {}
+        for unit, names in self.units.items():
+            per_unit[unit] = {
+                "slabs": len(names),
+                "bytes": sum(self.slabs[n].nbytes for n in names),
+                "tensors": 0,
+            }
+        for r in self.routes:
+            per_unit[r.unit]["tensors"] += 1
+        groups: dict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "slabs": 0})
+        for spec in self.slabs.values():
+            group = spec.labels.get("group")
+            if group is not None:
+                groups[group]["bytes"] += spec.nbytes
+                groups[group]["slabs"] += 1
+        return {
+            "files": len(self.files),
+            "tensors_routed": len(self.routes),
+            "tensors_checked": len(self.checked),
+            "tensors_skipped": len(self.skipped),
+            "slabs": len(self.slabs),
+            "bytes": self.nbytes,
+            "units": per_unit,
+            "groups": dict(sorted(groups.items())),
+            "fingerprint": self.fingerprint,
+            **{k: v for k, v in self.extras.items() if k != "partitions"},
+        }
+
+
+def plan(
+    checkpoint: Checkpoint,
+    rules: Sequence[Rule] | None = None,
+    *,
+    ignore: Iterable[str] = (),
+    unmatched: Literal["error", "ignore"] = "error",
+    tier_map: Mapping[int, Mapping[int, int]] | str | Path | None = None,
+    rank: int | None = None,
+) -> Plan:
+    """Plan a whole checkpoint and validate it; raises :class:`PlanError` subclasses.
+
+    ``rules`` default to :func:`asyncslab.default_rules` (tiered MoE experts, then one slab
+    per remaining tensor), built with ``tier_map`` and ``rank``. ``ignore`` is a list of
+    regular expressions (full match) for tensors deliberately not loaded. Tensors no rule
+    claims are an error unless ``unmatched="ignore"`` — never silently dropped.
+    """
+    if rules is None:
+        from ._rules import default_rules
+
+        rules = default_rules(tier_map=tier_map, rank=rank)
+    elif tier_map is not None or rank is not None:
+        raise PlanError("tier_map and rank configure the default rules; pass them to your rules")
+
+    patterns = [re.compile(p) for p in ignore]
+    pending: dict[str, TensorInfo] = {}
+    skipped: list[str] = []
+    for name, info in checkpoint.tensors.items():
+        if patterns and any(p.fullmatch(name) for p in patterns):
+            skipped.append(name)
+        else:
+            pending[name] = info
+
+    slabs: dict[str, SlabSpec] = {}
+    routes: list[Route] = []
+    checked: list[str] = []
+    extras: dict[str, Any] = {}
+    for rule in rules:
+        claim = rule.claim(checkpoint, MappingProxyType(pending))
+        for spec in claim.slabs:
+            if spec.name in slabs:
+                raise CoverageError(f"two rules define slab {spec.name!r}")
+            slabs[spec.name] = spec
+        owned = [r.tensor for r in claim.routes] + list(claim.checked) + list(claim.skipped)
+        for name in owned:
+            if pending.pop(name, None) is None:
+                if name in checkpoint.tensors:
+                    raise CoverageError(
+                        f"routed twice (rule {type(rule).__name__} claims it again)",
+                        file=checkpoint.tensors[name].file,
+                        tensor=name,
+                    )
+                raise PlanError(f"rule {type(rule).__name__} routes unknown tensor {name!r}")
+        routes.extend(claim.routes)
+        checked.extend(claim.checked)
+        skipped.extend(claim.skipped)
+        extras.update(claim.extras)
+
+    if pending:
+        if unmatched == "error":
+            names = sorted(pending)
+            shown = ", ".join(repr(n) for n in names[:5])
+            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+            first = pending[names[0]]
+            raise UnmatchedTensorError(
+                f"{len(names)} tensors match no rule: {shown}{more}; add a rule, list them "
+                "in ignore=, or pass unmatched='ignore'",
+                file=first.file,
+                tensor=first.name,
+                tensors=names,
+            )
+        skipped.extend(pending)
+
+    _validate(checkpoint, slabs, routes)
+    order = {f.path: i for i, f in enumerate(checkpoint.files)}
+    routes.sort(key=lambda r: (order[r.file], r.src_offset, r.tensor))
+    units: dict[str, list[str]] = defaultdict(list)
+    for spec in slabs.values():
+        units[spec.unit].append(spec.name)
+    return Plan(
+        slabs=MappingProxyType(slabs),
+        routes=tuple(routes),
+        units=MappingProxyType({u: tuple(n) for u, n in units.items()}),
+        checked=tuple(checked),
+        skipped=tuple(skipped),
+        files=checkpoint.files,
+        extras=MappingProxyType(extras),
+        _index=MappingProxyType({r.tensor: i for i, r in enumerate(routes)}),
+    )
+
+
+def _validate(
+    checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], routes: Sequence[Route]
+) -> None:
+    """Dtype and shape of every route, then exact coverage of every slab."""
+    filled: dict[str, dict[tuple[int, ...], Route]] = defaultdict(dict)
+    for route in routes:
+        spec = slabs.get(route.slab)
+        if spec is None:
+            raise PlanError(f"routes into undefined slab {route.slab!r}", tensor=route.tensor)
+        info = checkpoint.tensors[route.tensor]
+        if info.dtype != spec.dtype:
+            expected = safetensors_dtype(spec.dtype)
+            raise DtypeMismatchError(
+                f"dtype {info.st_dtype}, plan expects {expected} ({route.describe()}); "
+                "asyncslab never casts",
+                file=info.file,
+                tensor=info.name,
+                expected=expected,
+                got=info.st_dtype,
+                layer=route.layer,
+                expert=route.expert,
+                shard=route.shard,
+            )
+        if info.shape != spec.item_shape:
+            raise ShapeMismatchError(
+                f"shape {list(info.shape)}, slot expects {list(spec.item_shape)} "
+                f"({route.describe()})",
+                file=info.file,
+                tensor=info.name,
+                expected=spec.item_shape,
+                got=info.shape,
+                layer=route.layer,
+                expert=route.expert,
+                shard=route.shard,
+            )
+        earlier = filled[route.slab].get(route.slot)
+        if earlier is not None:
+            raise CoverageError(
+                f"lands in {route.describe()}, already taken by {earlier.tensor!r}",
+                file=info.file,
+                tensor=info.name,
+                slab=route.slab,
+                slot=route.slot,
+            )
+        filled[route.slab][route.slot] = route
+    for spec in slabs.values():
+        got = filled.get(spec.name, {})
+        if len(got) != spec.n_slots:
+            missing = [s for s in _all_slots(spec.slot_dims) if s not in got]
+            shown = ", ".join(str(s) for s in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise CoverageError(
+                f"slab {spec.name!r} (unit {spec.unit!r}): {len(missing)} of {spec.n_slots} "
+                f"slots have no tensor: {shown}{more}",
+                slab=spec.name,
+                missing=missing,
+            )
+
+
+def _all_slots(dims: tuple[int, ...]) -> Iterable[tuple[int, ...]]:
+    if not dims:
+        yield ()
+        return
+    for head in range(dims[0]):
+        for rest in _all_slots(dims[1:]):
+            yield (head, *rest)
+
+
+def mode_shape(shapes: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
+    """The most common shape; ties go to the smallest, so the result never depends on the
+    order tensors were seen in."""
+    counts = Counter(shapes)
+    best = max(counts.values())
+    return min(s for s, c in counts.items() if c == best)
