@@ -40,9 +40,14 @@ from ._errors import (
     UnmatchedTensorError as UnmatchedTensorError,
     UnsafePathError as UnsafePathError,
 )
+from ._bind import bind_module as bind_module
 from ._format import Checkpoint as Checkpoint
 from ._format import ShardFile as ShardFile
 from ._format import TensorInfo as TensorInfo
+from ._loader import LoadOptions as LoadOptions
+from ._loader import LoadStatistics as LoadStatistics
+from ._loader import SlabSet as SlabSet
+from ._loader import load as load
 from ._moe import ExpertPartition as ExpertPartition
 from ._moe import TieredMoE as TieredMoE
 from ._moe import load_tier_map as load_tier_map
@@ -56,6 +61,9 @@ from ._plan import plan as plan
 from ._rules import Dense as Dense
 from ._rules import Stack as Stack
 from ._rules import default_rules as default_rules
+from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
+from ._synthetic import SyntheticSpec as SyntheticSpec
+from ._synthetic import write_synthetic as write_synthetic
 
 __version__ = "0.1.0"
 
@@ -85,6 +93,8 @@ __all__ = [
     "IndexMismatchError",
     "InvalidShapeError",
     "LoadError",
+    "LoadOptions",
+    "LoadStatistics",
     "Location",
     "MissingFileError",
     "OffsetError",
@@ -99,15 +109,21 @@ __all__ = [
     "ShapeMismatchError",
     "ShardFile",
     "SizeMismatchError",
+    "SlabSet",
     "SlabSpec",
     "Stack",
+    "SyntheticCheckpoint",
+    "SyntheticSpec",
     "TensorInfo",
     "TierMapError",
     "TieredMoE",
     "UnknownDtypeError",
     "UnmatchedTensorError",
     "UnsafePathError",
+    "bind_module",
     "default_rules",
+    "load",
     "load_tier_map",
     "plan",
+    "write_synthetic",
 ]

@@ -1,0 +1,80 @@
+"""Stage 5: getting a read's bytes into their slots. Runs on I/O worker threads.
+
+CPU target: no staging and no copy — :func:`read_direct` scatters the read straight into
+the slots' memory (the gaps between tensors go to a scratch buffer), so each byte is
+written once. CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into
+the slots on one of several streams, bytes as bytes (a ``uint8`` view on both sides, so no
+dtype conversion can ever happen), then waits on the event recorded after the copies —
+on the worker thread, never on the event loop — before the buffer may be reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._read import byte_view, preadv_exact
+from ._schedule import ReadOp
+
+__all__ = ["read_direct", "read_staged", "CudaCopier"]
+
+
+def read_direct(
+    fd: int,
+    op: ReadOp,
+    slab_views: Sequence[memoryview],
+    route_slab: Sequence[int],
+    scratch: memoryview,
+    path: str,
+) -> int:
+    """Read ``op`` into its slots; returns bytes read (slots plus discarded gaps)."""
+    targets: list[memoryview] = []
+    position = 0
+    for piece in op.pieces:
+        gap = piece.read_offset - position
+        if gap:
+            targets.append(scratch[:gap])
+        view = slab_views[route_slab[piece.route]]
+        targets.append(view[piece.dst_offset : piece.dst_offset + piece.nbytes])
+        position = piece.read_offset + piece.nbytes
+    return preadv_exact(fd, targets, op.offset, path=path)
+
+
+def read_staged(fd: int, op: ReadOp, buffer: torch.Tensor, path: str) -> int:
+    """Read ``op`` whole into the front of a (pinned) staging buffer."""
+    view = byte_view(buffer.data_ptr(), op.nbytes)
+    return preadv_exact(fd, [view], op.offset, path=path)
+
+
+class CudaCopier:
+    """Host-to-device copies on ``streams`` CUDA streams, one event per staging buffer use."""
+
+    def __init__(self, device: torch.device, streams: int) -> None:
+        self.device = device
+        self.streams = [torch.cuda.Stream(device=device) for _ in range(max(1, streams))]
+
+    def copy(
+        self,
+        op: ReadOp,
+        buffer: torch.Tensor,
+        slab_bytes: Sequence[torch.Tensor],
+        route_slab: Sequence[int],
+        stream_index: int,
+    ) -> None:
+        """Enqueue the copies of ``op`` out of ``buffer`` and wait until they completed.
+
+        Blocking here is deliberate: this runs on an I/O worker thread, and returning means
+        the buffer is free to be overwritten by the next read.
+        """
+        stream = self.streams[stream_index % len(self.streams)]
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            for piece in op.pieces:
+                dst = slab_bytes[route_slab[piece.route]]
+                dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
+                    buffer[piece.read_offset : piece.read_offset + piece.nbytes],
+                    non_blocking=True,
+                )
+            event = torch.cuda.Event()
+            event.record(stream)
+        event.synchronize()

@@ -1,0 +1,605 @@
+"""The orchestration: allocate slabs once, then run plans through read → (stage → copy) →
+track, with every task owned by one ``asyncio.TaskGroup``.
+
+Ownership and lifetime: a :class:`SlabSet` owns its slab tensors for its whole life; loads
+write into them in place, so every pointer stays valid across :meth:`SlabSet.reset` and
+reloads (captured CUDA graphs keep working). A load owns its file descriptors, I/O threads
+and staging buffers, and releases all of them before it returns or raises — also when it is
+cancelled, after waiting for reads already inside a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ._copy import CudaCopier, read_direct, read_staged
+from ._errors import (
+    AsyncSlabError,
+    ClosedError,
+    FileChangedError,
+    IncompleteLoadError,
+    LoadError,
+    PlanError,
+    ReadError,
+    ReadTimeoutError,
+)
+from ._format import Checkpoint
+from ._plan import Plan
+from ._read import IoPool, byte_view
+from ._schedule import ReadOp, schedule
+from ._staging import StagingRing
+from ._tracker import Tracker
+
+__all__ = ["LoadOptions", "LoadStatistics", "SlabSet", "load"]
+
+State = Literal["empty", "loading", "complete", "failed", "cancelled"]
+UnitCallback = Callable[[str, "SlabSet"], Awaitable[None]]
+ProgressCallback = Callable[["LoadStatistics"], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """How a load runs. The defaults suit a server start; benchmarks sweep them.
+
+    ``io_workers``: positional reads in flight (CPU target). ``read_size``: target size of
+    one coalesced read. ``coalesce_gap``: largest gap between two tensors read through
+    rather than split into two reads. ``staging_bytes`` / ``staging_buffers``: the pinned
+    ring of a CUDA target (one read in flight per buffer). ``streams``: CUDA copy streams.
+    ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
+    """
+
+    io_workers: int = 4
+    read_size: int = 16 << 20
+    coalesce_gap: int = 64 << 10
+    staging_bytes: int = 256 << 20
+    staging_buffers: int = 8
+    streams: int = 4
+    read_timeout: float | None = 60.0
+    progress_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("io_workers", "read_size", "staging_bytes", "staging_buffers", "streams"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LoadOptions.{name} must be positive")
+        if self.coalesce_gap < 0:
+            raise ValueError("LoadOptions.coalesce_gap must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStatistics:
+    """A snapshot of a load (live while it runs, final after)."""
+
+    state: State
+    device: str
+    files: int
+    tensors: int
+    tensors_landed: int
+    units: int
+    units_complete: int
+    bytes_total: int
+    bytes_needed: int
+    bytes_read: int
+    bytes_landed: int
+    reads: int
+    elapsed_s: float
+    staging_budget: int
+    staging_peak: int
+    unit_completed_at: Mapping[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        """Bytes landed per second, in GB/s (10^9)."""
+        return self.bytes_landed / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.bytes_landed == 0 or self.state != "loading":
+            return None
+        rate = self.bytes_landed / self.elapsed_s
+        return (self.bytes_needed - self.bytes_landed) / rate
+
+
+class _SlabMapping(Mapping[str, torch.Tensor]):
+    """``slabs.slabs[name]``: a slab, only once its unit is complete."""
+
+    def __init__(self, owner: SlabSet) -> None:
+        self._owner = owner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._owner.slab(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._owner.plan.slabs)
+
+    def __len__(self) -> int:
+        return len(self._owner.plan.slabs)
+
+
+class SlabSet:
+    """The slabs of a plan on one device, and the loads that fill them.
+
+    Allocation happens once, here; loads write in place. A slab is handed out (``slab``,
+    ``slabs[name]``, ``slot``, ``view``) only when its unit is complete, else
+    :class:`IncompleteLoadError` names what is missing. Use as ``async with`` or call
+    :meth:`aclose`, which cancels a running load and frees the slabs.
+    """
+
+    def __init__(self, plan: Plan, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise LoadError(f"device {self.device} requested, but CUDA is not available")
+        self.plan = plan
+        self._tensors: dict[str, torch.Tensor] = {
+            name: torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            for name, spec in plan.slabs.items()
+        }
+        self._bytes = [t.reshape(-1).view(torch.uint8) for t in self._tensors.values()]
+        self._views = (
+            [byte_view(t.data_ptr(), t.numel()) for t in self._bytes]
+            if self.device.type == "cpu"
+            else []
+        )
+        self._adopt(plan)
+        self._state: State = "empty"
+        self._task: asyncio.Task[SlabSet] | None = None
+        self._broken: str | None = None
+        self._closed = False
+        self._error: str | None = None
+        self._reset_counters()
+
+    # --- access ------------------------------------------------------------------------
+
+    @property
+    def slabs(self) -> Mapping[str, torch.Tensor]:
+        return _SlabMapping(self)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def complete(self) -> bool:
+        return all(self._tracker.is_complete(u) for u in self.plan.units)
+
+    def slab(self, name: str) -> torch.Tensor:
+        """The whole slab ``name``; its unit must be complete."""
+        self._check_open()
+        spec = self.plan.slabs.get(name)
+        if spec is None:
+            raise KeyError(f"no slab {name!r} in the plan")
+        self._tracker.check(spec.unit)
+        return self._tensors[name]
+
+    def slot(self, name: str, slot: tuple[int, ...]) -> torch.Tensor:
+        """A view of one slot of slab ``name``."""
+        return self.slab(name)[slot]
+
+    def view(self, tensor: str) -> torch.Tensor:
+        """The view a checkpoint tensor landed in (its shape and dtype)."""
+        location = self.plan.where(tensor)
+        return self.slot(location.slab, location.slot)
+
+    async def ready(self, unit: str | None = None) -> None:
+        """Wait until ``unit`` (default: every unit) is complete.
+
+        Raises :class:`IncompleteLoadError` if no load is running to complete it, or if
+        the running load fails (its error is the ``__cause__``).
+        """
+        self._check_open()
+        units = list(self.plan.units) if unit is None else [unit]
+        for u in units:
+            if self._state != "loading":
+                self._tracker.check(u)
+            await self._tracker.wait(u)
+
+    def statistics(self) -> LoadStatistics:
+        staging = self._ring.statistics() if self._ring is not None else None
+        return LoadStatistics(
+            state=self._state,
+            device=str(self.device),
+            files=len(self.plan.files),
+            tensors=len(self.plan.routes),
+            tensors_landed=self._tracker.landed_routes,
+            units=len(self.plan.units),
+            units_complete=self._tracker.complete_units,
+            bytes_total=self.plan.nbytes,
+            bytes_needed=self._bytes_needed,
+            bytes_read=self._bytes_read,
+            bytes_landed=self._bytes_landed,
+            reads=self._reads,
+            elapsed_s=(self._ended or time.perf_counter()) - self._started
+            if self._started
+            else 0.0,
+            staging_budget=self._staging_budget,
+            staging_peak=staging.peak_in_use if staging else self._staging_peak,
+            unit_completed_at={
+                u: s.completed_at
+                for u, s in self._tracker.states().items()
+                if s.completed_at is not None
+            },
+            error=self._error,
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Mark every unit incomplete; keeps every allocation (pointers stay valid)."""
+        self._check_open()
+        if self._state == "loading":
+            raise LoadError("cannot reset while a load is running")
+        self._tracker.reset()
+        self._state = "empty"
+        self._error = None
+        self._reset_counters()
+
+    def start(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        plan: Plan | None = None,
+        options: LoadOptions | None = None,
+        on_unit_ready: UnitCallback | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> asyncio.Task[SlabSet]:
+        """Begin a load in the background and return its task (owned by this SlabSet:
+        :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
+        self._begin(checkpoint, plan)
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress),
+            name="asyncslab-load",
+        )
+        return self._task
+
+    async def load(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        plan: Plan | None = None,
+        options: LoadOptions | None = None,
+        on_unit_ready: UnitCallback | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> SlabSet:
+        """Load ``checkpoint`` into these slabs and return ``self`` when every unit is
+        complete. ``plan`` (default: the one the slabs were made for) may be another
+        checkpoint's plan with the same slab layout."""
+        self._begin(checkpoint, plan)
+        return await self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
+
+    async def aclose(self) -> None:
+        """Cancel a running load, wait for it to release everything, free the slabs.
+        Idempotent."""
+        if self._closed:
+            return
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+            except AsyncSlabError:
+                pass
+        self._closed = True
+        self._tensors.clear()
+        self._bytes.clear()
+        self._views.clear()
+
+    async def __aenter__(self) -> SlabSet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _adopt(self, plan: Plan) -> None:
+        index = {name: i for i, name in enumerate(self._tensors)}
+        self._run_plan = plan
+        self._route_slab = [index[r.slab] for r in plan.routes]
+        self._tracker = Tracker(plan)
+
+    def _reset_counters(self) -> None:
+        self._bytes_needed = 0
+        self._bytes_read = 0
+        self._bytes_landed = 0
+        self._reads = 0
+        self._started = 0.0
+        self._ended: float | None = None
+        self._ring: StagingRing | None = None
+        self._staging_budget = 0
+        self._staging_peak = 0
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this SlabSet was closed; its slabs are freed")
+
+    def _begin(self, checkpoint: Checkpoint, plan: Plan | None) -> None:
+        self._check_open()
+        if self._broken is not None:
+            raise LoadError(f"these slabs cannot be reused: {self._broken}")
+        if self._state == "loading":
+            raise LoadError("a load into these slabs is already running")
+        plan = plan or self.plan
+        if plan.layout_fingerprint != self.plan.layout_fingerprint:
+            raise PlanError(
+                "plan's slab layout differs from the one these slabs were allocated for "
+                f"({plan.layout_fingerprint} vs {self.plan.layout_fingerprint})"
+            )
+        planned = [(f.path, f.size) for f in plan.files]
+        given = [(f.path, f.size) for f in checkpoint.files]
+        if planned != given:
+            raise PlanError(
+                "the plan was made for other files than this checkpoint's; plan it with "
+                "asyncslab.plan(checkpoint) and pass plan="
+            )
+        if plan is not self._run_plan:
+            self._adopt(plan)
+        self._state = "loading"
+        self._error = None
+        self._reset_counters()
+        self._started = time.perf_counter()
+        self._tracker.reset()
+
+    async def _run(
+        self,
+        checkpoint: Checkpoint,
+        options: LoadOptions,
+        on_unit_ready: UnitCallback | None,
+        progress: ProgressCallback | None,
+    ) -> SlabSet:
+        plan = self._run_plan
+        cuda = self.device.type == "cuda"
+        read_size = options.staging_bytes // options.staging_buffers if cuda else options.read_size
+        sched = schedule(plan, max_read=read_size, gap=options.coalesce_gap)
+        self._bytes_needed = sched.bytes_needed
+        workers = options.staging_buffers if cuda else options.io_workers
+        pool = IoPool(workers)
+        fds: dict[int, int] = {}
+        drained = True
+        try:
+            for i, shard in enumerate(plan.files):
+                fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
+            if cuda:
+                self._ring = StagingRing(options.staging_bytes, options.staging_buffers, pin=True)
+                self._staging_budget = options.staging_bytes
+            copier = CudaCopier(self.device, options.streams) if cuda else None
+            try:
+                async with asyncio.TaskGroup() as tg:
+
+                    def unit_done(unit: str) -> None:
+                        if on_unit_ready is not None:
+                            tg.create_task(_callback(on_unit_ready, unit, self))
+
+                    self._tracker.begin(unit_done)
+                    for route in sched.empty:
+                        self._tracker.land(route, 0)
+                    cursor = iter(sched.ops)
+                    ticker = _Ticker(progress, options.progress_interval, self.statistics)
+                    for w in range(min(workers, max(1, len(sched.ops)))):
+                        tg.create_task(
+                            self._worker(cursor, fds, pool, copier, options, w, ticker)
+                        )
+            except BaseExceptionGroup as group:
+                error = _first_error(group)
+                # Re-raise the root error alone, keeping its own cause (the OSError).
+                raise error from error.__cause__
+            if not self.complete:
+                missing = [u for u in plan.units if not self._tracker.is_complete(u)]
+                raise IncompleteLoadError(f"load finished with incomplete units {missing[:5]}")
+        except asyncio.CancelledError as err:
+            self._finish("cancelled", err)
+            raise
+        except AsyncSlabError as err:
+            self._finish("failed", err)
+            raise
+        except Exception as err:
+            wrapped = LoadError(f"load failed: {err!r}")
+            wrapped.__cause__ = err
+            self._finish("failed", wrapped)
+            raise wrapped from err
+        finally:
+            drained = await _uncancellable(pool.drain(options.read_timeout))
+            pool.close(wait=drained)
+            for fd in fds.values():
+                os.close(fd)
+            if self._ring is not None:
+                self._staging_peak = self._ring.statistics().peak_in_use
+                self._ring.close()
+                self._ring = None
+            if not drained:
+                self._broken = (
+                    "a read thread did not return within read_timeout and may still write "
+                    "into them; allocate a new SlabSet"
+                )
+        self._finish("complete")
+        if progress is not None:
+            progress(self.statistics())
+        return self
+
+    def _finish(self, state: State, error: BaseException | None = None) -> None:
+        self._state = state
+        self._error = None if error is None else (str(error) or type(error).__name__)
+        self._ended = time.perf_counter()
+        if error is None:
+            self._tracker.finish()
+        else:
+            self._tracker.fail(error)
+
+    async def _worker(
+        self,
+        cursor: Iterator[ReadOp],
+        fds: Mapping[int, int],
+        pool: IoPool,
+        copier: CudaCopier | None,
+        options: LoadOptions,
+        worker: int,
+        ticker: _Ticker,
+    ) -> None:
+        # Workers share one iterator: each takes the next read when it is free, so at most
+        # `workers` reads are in flight and there is never a task per read.
+        scratch = memoryview(bytearray(options.coalesce_gap))
+        plan = self._run_plan
+        for op in cursor:
+            path = str(plan.files[op.file].path)
+            fd = fds[op.file]
+            try:
+                async with asyncio.timeout(options.read_timeout):
+                    if copier is None:
+                        n = await pool.run(
+                            read_direct, fd, op, self._views, self._route_slab, scratch, path
+                        )
+                    else:
+                        assert self._ring is not None
+                        buffer = await self._ring.acquire()
+                        n = await pool.run(
+                            _read_and_copy, copier, fd, op, buffer, self._bytes,
+                            self._route_slab, worker, path,
+                        )
+                        # Only after the copy completed: a cancelled copy keeps its buffer
+                        # until the drain, and the ring is discarded with the load.
+                        self._ring.release(buffer)
+            except TimeoutError:
+                raise ReadTimeoutError(
+                    f"read of {op.nbytes} bytes at offset {op.offset} took longer than "
+                    f"read_timeout={options.read_timeout}s",
+                    file=path,
+                    offset=op.offset,
+                ) from None
+            self._reads += 1
+            self._bytes_read += n
+            land = self._tracker.land
+            for piece in op.pieces:
+                land(piece.route, piece.nbytes)
+                self._bytes_landed += piece.nbytes
+            ticker.tick()
+
+
+def _read_and_copy(
+    copier: CudaCopier,
+    fd: int,
+    op: ReadOp,
+    buffer: torch.Tensor,
+    slab_bytes: Sequence[torch.Tensor],
+    route_slab: Sequence[int],
+    stream: int,
+    path: str,
+) -> int:
+    n = read_staged(fd, op, buffer, path)
+    copier.copy(op, buffer, slab_bytes, route_slab, stream)
+    return n
+
+
+class _Ticker:
+    """Calls the progress callback at most every ``interval`` seconds."""
+
+    def __init__(
+        self,
+        callback: ProgressCallback | None,
+        interval: float,
+        snapshot: Callable[[], LoadStatistics],
+    ) -> None:
+        self._callback = callback
+        self._interval = interval
+        self._snapshot = snapshot
+        self._last = 0.0
+
+    def tick(self) -> None:
+        if self._callback is None:
+            return
+        now = time.perf_counter()
+        if now - self._last >= self._interval:
+            self._last = now
+            self._callback(self._snapshot())
+
+
+async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
+    try:
+        await callback(unit, slabs)
+    except AsyncSlabError:
+        raise
+    except Exception as err:
+        raise LoadError(f"on_unit_ready callback failed for unit {unit!r}: {err!r}") from err
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error that broke the load; the rest are consequences (cancelled siblings)."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, asyncio.CancelledError):
+            return exc
+    return group.exceptions[0]
+
+
+async def _uncancellable(awaitable: Awaitable[bool]) -> bool:
+    """Finish cleanup even if the task is cancelled again meanwhile, then re-raise."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) -> int:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise ReadError(f"cannot open: {err.strerror or err}", file=path) from err
+    st = os.fstat(fd)
+    if (st.st_size, st.st_ino, st.st_mtime_ns) != (size, inode, mtime_ns):
+        os.close(fd)
+        what = f"size {size} -> {st.st_size}" if st.st_size != size else "replaced or modified"
+        raise FileChangedError(
+            f"file changed since it was planned ({what}); open and plan it again", file=path
+        )
+    return fd
+
+
+async def load(
+    checkpoint: Checkpoint,
+    plan: Plan,
+    *,
+    device: str | torch.device = "cpu",
+    options: LoadOptions | None = None,
+    into: SlabSet | None = None,
+    on_unit_ready: UnitCallback | None = None,
+    progress: ProgressCallback | None = None,
+) -> SlabSet:
+    """Execute a validated plan: allocate its slabs on ``device`` (or reuse ``into``'s,
+    in place) and write every tensor once into its slot. Returns the complete
+    :class:`SlabSet`; on failure or cancellation everything the load held is released and
+    the error says which file and tensor broke it."""
+    slabs = into if into is not None else SlabSet(plan, device)
+    try:
+        return await slabs.load(
+            checkpoint,
+            plan=plan,
+            options=options,
+            on_unit_ready=on_unit_ready,
+            progress=progress,
+        )
+    except BaseException:
+        if into is None:
+            await slabs.aclose()
+        raise
+

@@ -1,0 +1,98 @@
+"""Positional reads off the event-loop thread.
+
+``os.preadv`` scatters one read straight into many destinations (slab slots, or a staging
+buffer), takes no file position (so concurrent reads of one file need no lock), and
+releases the GIL while the kernel copies. A bounded thread pool runs them; the loop thread
+only awaits futures. Threads cannot be interrupted mid-syscall, so on cancellation the pool
+is *drained*: the load does not return while a thread may still write into a slab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ._errors import ReadError
+
+__all__ = ["IoPool", "preadv_exact", "byte_view"]
+
+T = TypeVar("T")
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+
+
+def preadv_exact(fd: int, targets: Sequence[memoryview], offset: int, *, path: str) -> int:
+    """Fill every buffer in ``targets`` from ``offset`` on; a short read is a
+    :class:`ReadError` (the file was truncated after planning)."""
+    total = sum(len(t) for t in targets)
+    done = 0
+    index = 0
+    skip = 0  # bytes of targets[index] already filled
+    while index < len(targets):
+        batch = [targets[index][skip:], *targets[index + 1 : index + _IOV_MAX]]
+        try:
+            n = os.preadv(fd, batch, offset + done)
+        except OSError as err:
+            raise ReadError(
+                f"read of {total} bytes at offset {offset} failed: {err.strerror or err}",
+                file=path,
+                offset=offset,
+            ) from err
+        if n == 0:
+            raise ReadError(
+                f"file ended early: got {done} of {total} bytes at offset {offset} "
+                "(truncated after planning?)",
+                file=path,
+                offset=offset,
+            )
+        done += n
+        n += skip
+        while index < len(targets) and n >= len(targets[index]):
+            n -= len(targets[index])
+            index += 1
+        skip = n
+    return done
+
+
+def byte_view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` at ``address``; the caller keeps the owner alive."""
+    import ctypes
+
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+class IoPool:
+    """A bounded thread pool whose work is always finished before the pool is released.
+
+    ``run`` hands a blocking call to a thread; ``drain`` waits for every call still in a
+    thread (including ones whose awaiting task was cancelled) so that no thread writes
+    into memory its load no longer owns.
+    """
+
+    def __init__(self, workers: int, name: str = "asyncslab-io") -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._inflight: set[concurrent.futures.Future[object]] = set()
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        future = self._pool.submit(fn, *args)
+        self._inflight.add(future)  # type: ignore[arg-type]
+        future.add_done_callback(self._inflight.discard)  # type: ignore[arg-type]
+        return await asyncio.wrap_future(future)
+
+    async def drain(self, timeout: float | None) -> bool:
+        """Wait for calls still running; ``False`` if some outlived ``timeout``."""
+        pending = [f for f in list(self._inflight) if not f.cancel()]
+        if not pending:
+            return True
+        _, still = await asyncio.wait(
+            [asyncio.wrap_future(f) for f in pending], timeout=timeout
+        )
+        return not still
+
+    def close(self, wait: bool) -> None:
+        # After a successful drain the workers are idle, so joining them is immediate.
+        self._pool.shutdown(wait=wait, cancel_futures=True)

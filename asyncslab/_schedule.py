@@ -1,0 +1,116 @@
+"""Stage 3: turn a plan's routes into a few large positional reads.
+
+Routes come sorted by file and offset. Neighbours whose gap is at most ``gap`` bytes merge
+into one read of at most ``max_read`` bytes (the gap is read and discarded: one syscall
+beats two when the gap is small). A tensor larger than ``max_read`` is split into chunks, so
+staging buffers of a fixed size can carry any tensor. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._plan import Plan
+
+__all__ = ["Piece", "ReadOp", "Schedule", "schedule"]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes ``[read_offset, read_offset + nbytes)`` of a read belong at ``dst_offset`` of
+    route ``route``'s slab (a whole tensor, or one chunk of a large one)."""
+
+    route: int
+    read_offset: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """One positional read: ``nbytes`` at ``offset`` of ``plan.files[file]``."""
+
+    file: int
+    offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The reads of a load, interleaved across files so that concurrent workers read
+    different files; ``empty`` lists zero-byte routes, which land without a read."""
+
+    ops: tuple[ReadOp, ...]
+    empty: tuple[int, ...]
+    bytes_needed: int
+    bytes_read: int
+
+
+def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
+    if max_read <= 0:
+        raise ValueError(f"max_read must be positive, got {max_read}")
+    file_index = {f.path: i for i, f in enumerate(plan.files)}
+    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
+    empty: list[int] = []
+    needed = 0
+
+    start = end = 0
+    pieces: list[Piece] = []
+    current = -1
+
+    def flush() -> None:
+        nonlocal pieces
+        if pieces:
+            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+            pieces = []
+
+    for index, route in enumerate(plan.routes):
+        if route.nbytes == 0:
+            empty.append(index)
+            continue
+        needed += route.nbytes
+        f = file_index[route.file]
+        r_start, r_end = route.src_offset, route.src_offset + route.nbytes
+        if (
+            pieces
+            and f == current
+            and 0 <= r_start - end <= gap
+            and r_end - start <= max_read
+        ):
+            pieces.append(Piece(index, r_start - start, route.dst_offset, route.nbytes))
+            end = r_end
+            continue
+        flush()
+        current = f
+        if route.nbytes > max_read:
+            for chunk in range(0, route.nbytes, max_read):
+                n = min(max_read, route.nbytes - chunk)
+                per_file[f].append(
+                    ReadOp(f, r_start + chunk, n, (Piece(index, 0, route.dst_offset + chunk, n),))
+                )
+            continue
+        start, end = r_start, r_end
+        pieces = [Piece(index, 0, route.dst_offset, route.nbytes)]
+    flush()
+
+    ops = _interleave(per_file)
+    return Schedule(
+        ops=ops,
+        empty=tuple(empty),
+        bytes_needed=needed,
+        bytes_read=sum(op.nbytes for op in ops),
+    )
+
+
+def _interleave(per_file: Sequence[Sequence[ReadOp]]) -> tuple[ReadOp, ...]:
+    # Round-robin over files: workers taking ops in order spread over files (several files
+    # in flight), while each file is still read front to back.
+    out: list[ReadOp] = []
+    longest = max((len(ops) for ops in per_file), default=0)
+    for i in range(longest):
+        for ops in per_file:
+            if i < len(ops):
+                out.append(ops[i])
+    return tuple(out)

@@ -1,0 +1,154 @@
+"""Stage 6: per-unit completeness. A slab is handed out only when every slot of its unit
+has landed (and, on a GPU, its copy has finished): an uninitialised backing never escapes.
+
+Landing is counted in bytes per route, so a large tensor split into chunks lands when its
+last chunk does; a route landing more bytes than it has is a :class:`DuplicateLandingError`.
+All methods run on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from ._errors import DuplicateLandingError, IncompleteLoadError
+from ._plan import Plan
+
+__all__ = ["Tracker", "UnitState"]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitState:
+    """A snapshot of one unit: routes landed of total, and when it completed (seconds since
+    the load started), if it has."""
+
+    unit: str
+    landed: int
+    total: int
+    completed_at: float | None
+
+
+class Tracker:
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._route_unit = [r.unit for r in plan.routes]
+        self._route_bytes = [r.nbytes for r in plan.routes]
+        self._unit_total: dict[str, int] = {u: 0 for u in plan.units}
+        for unit in self._route_unit:
+            self._unit_total[unit] += 1
+        self._on_complete: Callable[[str], None] | None = None
+        self._events: dict[str, asyncio.Event] = {}
+        self._error: BaseException | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Every unit incomplete again; allocations elsewhere are untouched."""
+        self._remaining = list(self._route_bytes)
+        self._done = bytearray(len(self._route_bytes))
+        self._landed_routes = dict.fromkeys(self._unit_total, 0)
+        self._completed_at: dict[str, float] = {}
+        self._started = time.perf_counter()
+        self._error = None
+        # Waiters keep their events across a reset: they wait for the next completion.
+        for event in self._events.values():
+            event.clear()
+
+    def begin(self, on_complete: Callable[[str], None] | None) -> None:
+        """Start counting a load (after :meth:`reset`); units without routes complete now."""
+        self._on_complete = on_complete
+        for unit, total in self._unit_total.items():
+            if total == 0:
+                self._complete(unit)
+
+    def fail(self, error: BaseException) -> None:
+        """The load broke: wake every waiter with ``error`` (units stay incomplete)."""
+        self._error = error
+        for event in self._events.values():
+            event.set()
+        self._on_complete = None
+
+    def finish(self) -> None:
+        self._on_complete = None
+
+    def land(self, route: int, nbytes: int) -> None:
+        remaining = self._remaining[route] - nbytes
+        if self._done[route] or remaining < 0:
+            r = self._plan.routes[route]
+            raise DuplicateLandingError(
+                f"landed twice in {r.describe()}", file=r.file, tensor=r.tensor, slot=r.slot
+            )
+        self._remaining[route] = remaining
+        if remaining == 0:
+            self._done[route] = 1
+            unit = self._route_unit[route]
+            landed = self._landed_routes[unit] + 1
+            self._landed_routes[unit] = landed
+            if landed == self._unit_total[unit]:
+                self._complete(unit)
+
+    def _complete(self, unit: str) -> None:
+        self._completed_at[unit] = time.perf_counter() - self._started
+        event = self._events.get(unit)
+        if event is not None:
+            event.set()
+        if self._on_complete is not None:
+            self._on_complete(unit)
+
+    def is_complete(self, unit: str) -> bool:
+        return unit in self._completed_at
+
+    @property
+    def complete_units(self) -> int:
+        return len(self._completed_at)
+
+    @property
+    def landed_routes(self) -> int:
+        return sum(self._landed_routes.values())
+
+    def missing(self, unit: str, limit: int = 8) -> list[str]:
+        """Names of tensors of ``unit`` that have not landed (at most ``limit``)."""
+        out = []
+        for i, r in enumerate(self._plan.routes):
+            if r.unit == unit and not self._done[i]:
+                out.append(f"{r.tensor} -> {r.slab}{list(r.slot)}")
+                if len(out) == limit:
+                    break
+        return out
+
+    def check(self, unit: str) -> None:
+        if unit not in self._unit_total:
+            raise KeyError(f"unit {unit!r} is not in the plan")
+        if not self.is_complete(unit):
+            landed = self._landed_routes[unit]
+            total = self._unit_total[unit]
+            missing = self.missing(unit)
+            raise IncompleteLoadError(
+                f"unit {unit!r} is incomplete: {landed} of {total} tensors landed; missing "
+                + ", ".join(missing)
+                + (" ..." if total - landed > len(missing) else ""),
+                unit=unit,
+                landed=landed,
+                total=total,
+            )
+
+    async def wait(self, unit: str) -> None:
+        """Until ``unit`` completes; raises the load's error if the load broke first."""
+        if unit not in self._unit_total:
+            raise KeyError(f"unit {unit!r} is not in the plan")
+        if self.is_complete(unit):
+            return
+        if self._error is None:
+            event = self._events.setdefault(unit, asyncio.Event())
+            await event.wait()
+        if not self.is_complete(unit):
+            raise IncompleteLoadError(
+                f"unit {unit!r} will not complete: the load failed", unit=unit
+            ) from self._error
+
+    def states(self) -> Mapping[str, UnitState]:
+        return {
+            u: UnitState(u, self._landed_routes[u], t, self._completed_at.get(u))
+            for u, t in self._unit_total.items()
+        }

@@ -1,0 +1,52 @@
+"""Shared fixtures. Every ``@pytest.mark.asyncio`` test runs under the default asyncio loop
+and, where installed, uvloop — servers await asyncslab from either."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncslab
+from asyncslab import SyntheticSpec, write_synthetic
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - platforms without uvloop
+    uvloop = None
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop
+    }
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+    """A small tiered MoE checkpoint (3 shards, experts straddling them). Read-only."""
+    return write_synthetic(tmp_path_factory.mktemp("moe"), SyntheticSpec())
+
+
+@pytest.fixture
+def fresh_moe(tmp_path: Path) -> asyncslab.SyntheticCheckpoint:
+    """A checkpoint the test may damage."""
+    return write_synthetic(tmp_path / "ckpt", SyntheticSpec())
+

@@ -1,0 +1,44 @@
+"""Helpers shared by tests (imported as ``helpers``; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from safetensors import safe_open
+
+import asyncslab
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of a tensor, for bit-exact comparison (NaN bit patterns included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bit_identical(slabs: asyncslab.SlabSet, checkpoint: asyncslab.Checkpoint) -> int:
+    """Every routed tensor's slot equals what the safetensors library reads; returns count."""
+    plan = slabs.plan
+    routed = {r.tensor for r in plan.routes}
+    count = 0
+    for shard in checkpoint.files:
+        with safe_open(shard.path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name not in routed:
+                    continue
+                expected = f.get_tensor(name)
+                got = slabs.view(name)
+                assert got.dtype == expected.dtype, name
+                assert got.shape == expected.shape, name
+                assert torch.equal(raw_bytes(got), raw_bytes(expected)), name
+                count += 1
+    assert count == len(routed)
+    return count
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("asyncslab-io")]

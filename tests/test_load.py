@@ -1,0 +1,392 @@
+"""The load pipeline on a CPU target: bytes land bit-exact in their slots, completeness gates
+access, pointers survive reloads, and failures and cancellation leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bit_identical, io_threads, open_fds, raw_bytes
+from safetensors.torch import save_file
+
+import asyncslab
+from asyncslab import (
+    Checkpoint,
+    LoadOptions,
+    SlabSet,
+    SyntheticSpec,
+    load,
+    plan,
+    write_synthetic,
+)
+from asyncslab import _copy as copy_module
+from asyncslab._read import preadv_exact
+
+pytestmark = pytest.mark.asyncio
+
+# Small reads and few workers make every checkpoint here take many reads, so the pipeline's
+# interleaving, chunking and coalescing are all exercised on KB-sized files.
+SMALL = LoadOptions(read_size=64 << 10, coalesce_gap=256, io_workers=3)
+
+
+async def test_tiered_moe_lands_bit_identical(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt, tier_map=moe_checkpoint.tier_map_path)
+    slabs = await load(ckpt, p, options=SMALL)
+    assert slabs.state == "complete"
+    assert assert_bit_identical(slabs, ckpt) == len(p.routes)
+    stats = slabs.statistics()
+    assert stats.tensors_landed == stats.tensors == len(p.routes)
+    assert stats.bytes_landed == stats.bytes_needed == p.nbytes
+    # Reads never exceed what is needed by more than the coalescing slack.
+    assert p.nbytes <= stats.bytes_read <= p.nbytes + SMALL.coalesce_gap * stats.reads
+    assert stats.units_complete == len(p.units)
+
+
+async def test_default_options_and_experts_straddling_files(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    files_of_expert: dict[tuple[int, int], set[Path]] = {}
+    for r in p.routes:
+        if r.expert is not None:
+            files_of_expert.setdefault((r.layer or 0, r.expert), set()).add(r.file)
+    assert any(len(files) > 1 for files in files_of_expert.values())
+    slabs = await load(ckpt, p)
+    assert_bit_identical(slabs, ckpt)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+async def test_rank_sliced_reads_only_its_rank(tmp_path: Path, rank: int) -> None:
+    written = write_synthetic(tmp_path, SyntheticSpec(tp_ranks=2, n_layers=3))
+    ckpt = Checkpoint.open(written.root)
+    p = plan(ckpt, rank=rank)
+    assert all(f".rank{rank}." in r.tensor for r in p.routes if r.expert is not None)
+    slabs = await load(ckpt, p, options=SMALL)
+    assert_bit_identical(slabs, ckpt)
+    stats = slabs.statistics()
+    other = sum(ckpt.tensors[n].nbytes for n in p.skipped)
+    assert other > 0
+    # The other rank's slices are not read (beyond coalescing slack).
+    assert stats.bytes_read <= stats.bytes_needed + SMALL.coalesce_gap * stats.reads
+
+
+async def test_zero_size_scalars_and_many_dtypes(tmp_path: Path) -> None:
+    tensors = {
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+        "empty2": torch.zeros(0, dtype=torch.int64),
+        "scalar": torch.tensor(3.5, dtype=torch.float64),
+        "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "i8": -torch.arange(5, dtype=torch.int8),
+        "bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "big": torch.randn(300, 301),  # larger than one read: moves in chunks
+        "i64": torch.arange(9, dtype=torch.int64).reshape(3, 3),
+    }
+    path = tmp_path / "mixed.safetensors"
+    save_file(tensors, path)
+    ckpt = Checkpoint.open(path)
+    p = plan(ckpt)
+    slabs = await load(ckpt, p, options=LoadOptions(read_size=4096, coalesce_gap=0))
+    for name, t in tensors.items():
+        got = slabs.view(name)
+        assert got.shape == t.shape and got.dtype == t.dtype
+        assert torch.equal(raw_bytes(got), raw_bytes(t))
+
+
+async def test_views_are_zero_copy(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    slabs = await load(ckpt, p)
+    for route in p.routes:
+        slab = slabs.slab(route.slab)
+        view = slabs.view(route.tensor)
+        assert view.data_ptr() == slab.data_ptr() + route.dst_offset
+        assert view.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+    # W13 is projection-major: gate shard then up shard, each group_offset-minor.
+    w13 = next(n for n, s in p.slabs.items() if s.labels.get("projection") == "w13")
+    spec = p.slabs[w13]
+    assert spec.slot_dims[0] == 2
+    assert slabs.slot(w13, (1, 0)).data_ptr() == slabs.slab(w13).data_ptr() + (
+        spec.slot_dims[1] * spec.slot_nbytes
+    )
+
+
+async def test_reload_keeps_every_pointer(tmp_path: Path) -> None:
+    first = write_synthetic(tmp_path / "a", SyntheticSpec(seed=1))
+    second = write_synthetic(tmp_path / "b", SyntheticSpec(seed=1, fill="pattern"))
+    ckpt_a, ckpt_b = Checkpoint.open(first.root), Checkpoint.open(second.root)
+    plan_a, plan_b = plan(ckpt_a), plan(ckpt_b)
+    assert plan_a.layout_fingerprint == plan_b.layout_fingerprint
+    slabs = await load(ckpt_a, plan_a)
+    pointers = {name: slabs.slab(name).data_ptr() for name in plan_a.slabs}
+
+    slabs.reset()
+    with pytest.raises(asyncslab.IncompleteLoadError):
+        slabs.slab(next(iter(plan_a.slabs)))
+    await slabs.load(ckpt_a)
+    assert {name: slabs.slab(name).data_ptr() for name in plan_a.slabs} == pointers
+
+    await load(ckpt_b, plan_b, into=slabs)
+    assert {name: slabs.slab(name).data_ptr() for name in plan_a.slabs} == pointers
+    assert_bit_identical(slabs, ckpt_b)
+
+
+async def test_incomplete_slab_is_refused(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    async with SlabSet(p) as slabs:
+        name = next(n for n, s in p.slabs.items() if s.labels.get("kind") == "experts")
+        with pytest.raises(asyncslab.IncompleteLoadError, match=r"0 of \d+ tensors landed; missing"):
+            slabs.slab(name)
+        with pytest.raises(asyncslab.IncompleteLoadError):
+            slabs.slabs[name]
+        with pytest.raises(asyncslab.IncompleteLoadError):
+            await slabs.ready()  # no load running: fails at once instead of hanging
+
+
+async def test_plan_for_other_files_is_refused(tmp_path: Path) -> None:
+    a = write_synthetic(tmp_path / "a", SyntheticSpec(n_shards=1))
+    b = write_synthetic(tmp_path / "b", SyntheticSpec(n_shards=1))
+    ckpt_a, ckpt_b = Checkpoint.open(a.root), Checkpoint.open(b.root)
+    async with SlabSet(plan(ckpt_a)) as slabs:
+        with pytest.raises(asyncslab.PlanError, match="other files"):
+            await slabs.load(ckpt_b)
+        other_layout = write_synthetic(tmp_path / "c", SyntheticSpec(n_shards=1, n_experts=6))
+        ckpt_c = Checkpoint.open(other_layout.root)
+        with pytest.raises(asyncslab.PlanError, match="layout"):
+            await slabs.load(ckpt_c, plan=plan(ckpt_c))
+
+
+async def test_unit_callbacks_overlap_the_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    seen: list[str] = []
+
+    async def on_unit(unit: str, slabs: SlabSet) -> None:
+        # Inside the callback its unit is already usable.
+        for name in p.units[unit]:
+            slabs.slab(name)
+        seen.append(unit)
+
+    await load(ckpt, p, options=SMALL, on_unit_ready=on_unit)
+    assert sorted(seen) == sorted(p.units)
+
+
+async def test_failing_callback_fails_the_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+
+    async def on_unit(unit: str, slabs: SlabSet) -> None:
+        raise RuntimeError("post-processing broke")
+
+    with pytest.raises(asyncslab.LoadError, match="callback failed") as info:
+        await load(ckpt, p, on_unit_ready=on_unit)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+async def test_ready_waits_for_a_background_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    async with SlabSet(p) as slabs:
+        task = slabs.start(ckpt, options=SMALL)
+        await slabs.ready("layers.2")
+        assert slabs.slab(p.units["layers.2"][0]).numel() > 0
+        await slabs.ready()
+        assert await task is slabs
+
+
+def _slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    def slow(*args: object, **kwargs: object) -> int:
+        time.sleep(delay)
+        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copy_module, "preadv_exact", slow)
+
+
+async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    fds_before, threads_before = open_fds(), len(io_threads())
+    slabs = SlabSet(p)
+    _slow_reads(monkeypatch, 0.02)
+    task = slabs.start(ckpt, options=LoadOptions(read_size=8 << 10, coalesce_gap=0, io_workers=2))
+    while slabs.statistics().tensors_landed == 0:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = slabs.statistics()
+    assert stats.state == "cancelled"
+    assert 0 < stats.tensors_landed < stats.tensors
+    assert not slabs.complete
+    assert open_fds() == fds_before
+    assert len(io_threads()) == threads_before
+    with pytest.raises(asyncslab.IncompleteLoadError, match="incomplete"):
+        await slabs.ready()
+
+    monkeypatch.undo()
+    await slabs.load(ckpt)
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()
+
+
+async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    calls = 0
+
+    def flaky(fd: int, targets: list[memoryview], offset: int, *, path: str) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            os_error = OSError(errno.EIO, "Input/output error")
+            raise asyncslab.ReadError("read failed: Input/output error", file=path) from os_error
+        return preadv_exact(fd, targets, offset, path=path)
+
+    monkeypatch.setattr(copy_module, "preadv_exact", flaky)
+    fds_before = open_fds()
+    async with SlabSet(p) as slabs:
+        with pytest.raises(asyncslab.ReadError, match=r"model-0000\d-of-00003\.safetensors") as info:
+            await slabs.load(ckpt, options=SMALL)
+        assert isinstance(info.value.__cause__, OSError)
+        assert info.value.__cause__.errno == errno.EIO
+        assert slabs.state == "failed"
+        assert not slabs.complete
+        assert open_fds() == fds_before
+        monkeypatch.undo()
+        await slabs.load(ckpt, options=SMALL)
+        assert_bit_identical(slabs, ckpt)
+
+
+async def test_real_eio_from_the_os_becomes_read_error(tmp_path: Path) -> None:
+    # A directory fd makes preadv fail with EISDIR: a real OSError through the real path.
+    with pytest.raises(asyncslab.ReadError, match="failed") as info:
+        preadv_exact(os.open(tmp_path, os.O_RDONLY), [memoryview(bytearray(4))], 0, path="dir")
+    assert isinstance(info.value.__cause__, OSError)
+
+
+async def test_file_truncated_after_planning(fresh_moe: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(fresh_moe.root)
+    p = plan(ckpt)
+    victim = ckpt.files[1].path
+    os.truncate(victim, ckpt.files[1].size - 100)
+    with pytest.raises(asyncslab.FileChangedError, match=victim.name):
+        await load(ckpt, p)
+
+
+async def test_file_rewritten_after_planning(fresh_moe: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(fresh_moe.root)
+    p = plan(ckpt)
+    victim = ckpt.files[0].path
+    data = victim.read_bytes()
+    victim.unlink()
+    victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    with pytest.raises(asyncslab.FileChangedError, match="changed since it was planned"):
+        await load(ckpt, p)
+
+
+async def test_file_shrinking_during_read_is_a_short_read(tmp_path: Path) -> None:
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"abc")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(asyncslab.ReadError, match="ended early"):
+            preadv_exact(fd, [memoryview(bytearray(8))], 0, path=str(path))
+    finally:
+        os.close(fd)
+
+
+async def test_stalled_read_times_out_and_marks_slabs_unusable(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    _slow_reads(monkeypatch, 1.0)
+    slabs = SlabSet(p)
+    with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=0.05"):
+        await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05))
+    # The stalled thread may still write into these slabs, so they refuse another load.
+    with pytest.raises(asyncslab.LoadError, match="cannot be reused"):
+        await slabs.load(ckpt)
+    await slabs.aclose()
+    for _ in range(200):  # the stalled reads end on their own
+        if not io_threads():
+            break
+        await asyncio.sleep(0.01)
+
+
+async def test_closed_slabset(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    slabs = await load(ckpt, plan(ckpt))
+    await slabs.aclose()
+    await slabs.aclose()  # idempotent
+    with pytest.raises(asyncslab.ClosedError):
+        slabs.slab(next(iter(slabs.plan.slabs)))
+
+
+async def test_event_loop_stays_responsive(tmp_path: Path) -> None:
+    written = write_synthetic(tmp_path, asyncslab._synthetic.spec_for_size(48 << 20))
+    ckpt = Checkpoint.open(written.root)
+    p = plan(ckpt)
+    lags: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - start - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    slabs = await load(ckpt, p)
+    done.set()
+    await tick
+    assert_bit_identical(slabs, ckpt)
+    # The loop kept running while bytes moved: the ticker got turns during the load.
+    assert len(lags) >= 2
+    lags.sort()
+    print(
+        f"\nevent-loop lag during a {p.nbytes / 2**20:.0f} MiB load: "
+        f"p50 {lags[len(lags) // 2] * 1e3:.2f} ms, max {lags[-1] * 1e3:.2f} ms, "
+        f"{len(lags)} ticks"
+    )
+
+
+async def test_duplicate_landing_is_an_error(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    from asyncslab._tracker import Tracker
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    tracker = Tracker(p)
+    tracker.begin(None)
+    route = p.routes[0]
+    tracker.land(0, route.nbytes)
+    with pytest.raises(asyncslab.DuplicateLandingError, match=route.tensor):
+        tracker.land(0, route.nbytes)
+
+
+async def test_duplicate_read_in_schedule_fails_the_load(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncslab import _loader
+    from asyncslab._schedule import Schedule, schedule
+
+    def doubled(*args: object, **kwargs: object) -> Schedule:
+        s = schedule(*args, **kwargs)  # type: ignore[arg-type]
+        return Schedule(s.ops + s.ops[:1], s.empty, s.bytes_needed, s.bytes_read)
+
+    monkeypatch.setattr(_loader, "schedule", doubled)
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    with pytest.raises(asyncslab.DuplicateLandingError, match="landed twice"):
+        await load(ckpt, plan(ckpt), options=LoadOptions(io_workers=1))
