@@ -11,13 +11,14 @@ on the worker thread, never on the event loop — before the buffer may be reuse
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from ._read import byte_view, preadv_exact
 from ._schedule import ReadOp
 
-__all__ = ["read_direct", "read_staged", "CudaCopier"]
+__all__ = ["read_direct", "read_staged", "Copier", "CpuCopier", "CudaCopier"]
 
 
 def read_direct(
@@ -45,6 +46,38 @@ def read_staged(fd: int, op: ReadOp, buffer: torch.Tensor, path: str) -> int:
     """Read ``op`` whole into the front of a (pinned) staging buffer."""
     view = byte_view(buffer.data_ptr(), op.nbytes)
     return preadv_exact(fd, [view], op.offset, path=path)
+
+
+class Copier(Protocol):
+    """Moves a staged read into its slots; returns once the buffer may be reused."""
+
+    def copy(
+        self,
+        op: ReadOp,
+        buffer: torch.Tensor,
+        slab_bytes: Sequence[torch.Tensor],
+        route_slab: Sequence[int],
+        stream_index: int,
+    ) -> None: ...
+
+
+class CpuCopier:
+    """Staged copies into host slabs: the CPU twin of :class:`CudaCopier`, for targets that
+    must not be read into directly, and to exercise the staging ring without a GPU."""
+
+    def copy(
+        self,
+        op: ReadOp,
+        buffer: torch.Tensor,
+        slab_bytes: Sequence[torch.Tensor],
+        route_slab: Sequence[int],
+        stream_index: int,
+    ) -> None:
+        for piece in op.pieces:
+            dst = slab_bytes[route_slab[piece.route]]
+            dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
+                buffer[piece.read_offset : piece.read_offset + piece.nbytes]
+            )
 
 
 class CudaCopier:

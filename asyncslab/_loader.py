@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from ._copy import CudaCopier, read_direct, read_staged
+from ._copy import Copier, CpuCopier, CudaCopier, read_direct, read_staged
 from ._errors import (
     AsyncSlabError,
     ClosedError,
@@ -53,6 +53,8 @@ class LoadOptions:
     rather than split into two reads. ``staging_bytes`` / ``staging_buffers``: the pinned
     ring of a CUDA target (one read in flight per buffer). ``streams``: CUDA copy streams.
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
+    ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
+    reading straight into the slabs (slower; for comparison and for testing the ring).
     """
 
     io_workers: int = 4
@@ -63,6 +65,7 @@ class LoadOptions:
     streams: int = 4
     read_timeout: float | None = 60.0
     progress_interval: float = 0.1
+    cpu_staged: bool = False
 
     def __post_init__(self) -> None:
         for name in ("io_workers", "read_size", "staging_bytes", "staging_buffers", "streams"):
@@ -361,20 +364,25 @@ class SlabSet:
     ) -> SlabSet:
         plan = self._run_plan
         cuda = self.device.type == "cuda"
-        read_size = options.staging_bytes // options.staging_buffers if cuda else options.read_size
+        staged = cuda or options.cpu_staged
+        read_size = options.staging_bytes // options.staging_buffers if staged else options.read_size
         sched = schedule(plan, max_read=read_size, gap=options.coalesce_gap)
         self._bytes_needed = sched.bytes_needed
-        workers = options.staging_buffers if cuda else options.io_workers
+        workers = options.staging_buffers if staged else options.io_workers
         pool = IoPool(workers)
         fds: dict[int, int] = {}
         drained = True
         try:
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
-            if cuda:
-                self._ring = StagingRing(options.staging_bytes, options.staging_buffers, pin=True)
+            copier: Copier | None = None
+            if staged:
+                buffers = await pool.run(
+                    StagingRing.allocate, options.staging_bytes, options.staging_buffers, pin=cuda
+                )
+                self._ring = StagingRing(buffers)
                 self._staging_budget = options.staging_bytes
-            copier = CudaCopier(self.device, options.streams) if cuda else None
+                copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
             try:
                 async with asyncio.TaskGroup() as tg:
 
@@ -442,7 +450,7 @@ class SlabSet:
         cursor: Iterator[ReadOp],
         fds: Mapping[int, int],
         pool: IoPool,
-        copier: CudaCopier | None,
+        copier: Copier | None,
         options: LoadOptions,
         worker: int,
         ticker: _Ticker,
@@ -487,7 +495,7 @@ class SlabSet:
 
 
 def _read_and_copy(
-    copier: CudaCopier,
+    copier: Copier,
     fd: int,
     op: ReadOp,
     buffer: torch.Tensor,

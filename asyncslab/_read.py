@@ -77,8 +77,8 @@ class IoPool:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
         self._inflight: set[concurrent.futures.Future[object]] = set()
 
-    async def run(self, fn: Callable[..., T], *args: object) -> T:
-        future = self._pool.submit(fn, *args)
+    async def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        future = self._pool.submit(fn, *args, **kwargs)
         self._inflight.add(future)  # type: ignore[arg-type]
         future.add_done_callback(self._inflight.discard)  # type: ignore[arg-type]
         return await asyncio.wrap_future(future)

@@ -26,19 +26,25 @@ class StagingStatistics:
 
 
 class StagingRing:
-    def __init__(self, budget: int, buffers: int, *, pin: bool) -> None:
-        if buffers <= 0 or budget < buffers:
-            raise ValueError(f"staging budget {budget} cannot hold {buffers} buffers")
-        self.buffer_bytes = budget // buffers
-        self._buffers = [
-            torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=pin)
-            for _ in range(buffers)
-        ]
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        if not buffers:
+            raise ValueError("a staging ring needs at least one buffer")
+        self.buffer_bytes = buffers[0].numel()
+        self._buffers = buffers
         self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
         for buffer in self._buffers:
             self._free.put_nowait(buffer)
         self._in_use = 0
         self._peak = 0
+
+    @staticmethod
+    def allocate(budget: int, buffers: int, *, pin: bool) -> list[torch.Tensor]:
+        """The ring's buffers; pinning hundreds of MiB takes long enough that callers run
+        this on a worker thread, not on the event loop."""
+        if buffers <= 0 or budget < buffers:
+            raise ValueError(f"staging budget {budget} cannot hold {buffers} buffers")
+        size = budget // buffers
+        return [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(buffers)]
 
     async def acquire(self) -> torch.Tensor:
         buffer = await self._free.get()
