@@ -1,0 +1,842 @@
+"""The ``asyncslab`` command: ``demo``, ``inspect``, ``load`` and ``bench``.
+
+``asyncslab demo`` is the project's first command: it writes a synthetic EXL3-like mixed-tier
+MoE checkpoint, plans it, loads it with a progress bar and checks every routed tensor
+byte-for-byte against the ``safetensors`` library. ``inspect`` plans a checkpoint from its
+headers alone; ``load`` loads a real one and reports throughput and memory.
+
+Errors a user can fix (a malformed checkpoint, a bad size, a missing file) are one line on
+stderr, ``asyncslab: error: ...``, and exit code 2; ``--debug`` shows the traceback instead.
+A failed verification exits 1; an interrupt exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, TextIO, TypeVar
+
+import torch
+
+from ._errors import AsyncSlabError
+from ._format import Checkpoint
+from ._loader import LoadOptions, LoadStatistics, SlabSet, load
+from ._plan import Plan, plan
+from ._progress import ProgressBar, format_bytes, format_duration, format_table
+from ._synthetic import SyntheticCheckpoint, SyntheticSpec, spec_for_size, write_synthetic
+
+__all__ = ["main", "parse_size", "verify_slabs", "VerifyResult"]
+
+PROG = "asyncslab"
+_T = TypeVar("_T")
+
+
+class UsageError(Exception):
+    """Bad command line; reported as one line, exit code 2."""
+
+
+# --------------------------------------------------------------------------- argument types
+
+_SIZE = re.compile(
+    r"\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>(?P<prefix>[kmgtp])?(?P<binary>i)?(?P<b>b)?)\s*",
+    re.IGNORECASE,
+)
+_PREFIXES = "kmgtp"
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864. ``KiB/MiB/GiB/TiB`` (and bare ``K/M/G/T``) are powers of
+    1024, ``KB/MB/GB/TB`` powers of 1000; no unit or ``B`` means bytes. Case-insensitive."""
+    match = _SIZE.fullmatch(text)
+    unit_ok = match is not None and (match["prefix"] is not None or (match["binary"] is None))
+    if match is None or not unit_ok:
+        raise ValueError(
+            f"invalid size {text!r}: expected a number with an optional unit, "
+            "like 64MiB, 1GiB, 3GB or 500M"
+        )
+    number = float(match["number"])
+    prefix = match["prefix"]
+    if prefix is None:
+        multiplier = 1
+    else:
+        power = _PREFIXES.index(prefix.lower()) + 1
+        decimal = match["b"] is not None and match["binary"] is None
+        multiplier = (1000 if decimal else 1024) ** power
+    size = int(round(number * multiplier))
+    if size < 1:
+        raise ValueError(f"invalid size {text!r}: must be at least one byte")
+    return size
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _rank_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a rank >= 0, got {text!r}")
+    return value
+
+
+def _mib_arg(text: str) -> int:
+    """A positive number of MiB (fractions allowed), as bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
+    return max(1, int(value * (1 << 20)))
+
+
+def _device_arg(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"invalid device {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not supported (cpu or cuda)")
+    return text
+
+
+# --------------------------------------------------------------------------- parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports usage errors as :class:`UsageError` (one line) instead of usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Load checkpoints straight into the slabs an inference engine computes "
+        "with: plan before I/O, one pipelined async pass.",
+        epilog="Start with 'asyncslab demo'.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    demo = sub.add_parser(
+        "demo",
+        parents=[common],
+        help="write, plan, load and verify a synthetic mixed-tier MoE checkpoint",
+        description="Write the embedded synthetic EXL3-like mixed-tier MoE checkpoint, show "
+        "its plan, load it with a progress bar and check every routed tensor byte for byte "
+        "against the safetensors library.",
+    )
+    demo.add_argument(
+        "--size",
+        type=_size_arg,
+        default=parse_size("64MiB"),
+        metavar="SIZE",
+        help="checkpoint size, like 64MiB, 1GiB, 3GB or 500M (default: 64MiB)",
+    )
+    demo.add_argument(
+        "--dir", type=Path, default=None, help="write here and keep it (default: a temp dir)"
+    )
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    demo.add_argument("--keep", action="store_true", help="keep the temporary checkpoint")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(handler=_cmd_demo)
+
+    inspect = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="plan a checkpoint from its headers (no payload is read)",
+        description="Read a checkpoint's headers, plan it with the default rules and print "
+        "files, tensors, slabs, bytes, units and the expert tiers of every layer.",
+    )
+    inspect.add_argument("path", type=Path, help="a .safetensors file or a checkpoint directory")
+    inspect.add_argument("--json", action="store_true", help="print the plan summary as JSON")
+    _add_plan_arguments(inspect)
+    inspect.set_defaults(handler=_cmd_inspect)
+
+    load_p = sub.add_parser(
+        "load",
+        parents=[common],
+        help="load a checkpoint with the automatic plan and report throughput",
+        description="Load a whole checkpoint into its slabs and print files, tensors, bytes, "
+        "time, GB/s, peak staging and peak RSS.",
+    )
+    load_p.add_argument("path", type=Path, help="a .safetensors file or a checkpoint directory")
+    load_p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda[:N]")
+    defaults = LoadOptions()
+    load_p.add_argument(
+        "--streams",
+        type=_positive_int,
+        default=defaults.streams,
+        metavar="N",
+        help=f"CUDA copy streams (default {defaults.streams})",
+    )
+    load_p.add_argument(
+        "--staging-mb",
+        type=_mib_arg,
+        default=defaults.staging_bytes,
+        metavar="MB",
+        help=f"pinned staging budget in MiB, CUDA only (default {defaults.staging_bytes >> 20})",
+    )
+    load_p.add_argument(
+        "--io-workers",
+        type=_positive_int,
+        default=defaults.io_workers,
+        metavar="N",
+        help=f"reads in flight, CPU target (default {defaults.io_workers})",
+    )
+    load_p.add_argument(
+        "--read-mb",
+        type=_mib_arg,
+        default=defaults.read_size,
+        metavar="MB",
+        help=f"target size of one read in MiB, CPU target (default {defaults.read_size >> 20})",
+    )
+    _add_plan_arguments(load_p)
+    load_p.add_argument(
+        "--verify",
+        action="store_true",
+        help="re-read every routed tensor with safetensors and compare bytes",
+    )
+    load_p.add_argument(
+        "--json", type=Path, default=None, metavar="FILE", help="write statistics as JSON"
+    )
+    load_p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    load_p.set_defaults(handler=_cmd_load)
+
+    _add_bench(sub, common)
+    return parser
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tier-map",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="declared tier map (JSON); every expert's tier is checked against it",
+    )
+    p.add_argument(
+        "--rank", type=_rank_arg, default=None, metavar="R", help="rank of a rank-sliced checkpoint"
+    )
+
+
+def _add_bench(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
+    # Implemented in its own module (and by other hands); imported here so that a missing
+    # or broken benchmark module costs the other commands nothing.
+    try:
+        bench_module = importlib.import_module(f"{__package__}._bench")
+        add_arguments = bench_module.add_arguments
+        run = bench_module.run
+    except (ImportError, AttributeError) as err:
+        if isinstance(err, ImportError) and err.name == f"{__package__}._bench":
+            reason = "bench is not available"
+        else:
+            reason = f"bench is not available: {err}"
+        bench = sub.add_parser(
+            "bench", parents=[common], help="benchmarks (not available)", description=reason
+        )
+        bench.set_defaults(handler=_unavailable(reason), accepts_extra=True)
+        return
+    bench = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="benchmark loads of synthetic checkpoints",
+        description="Benchmark loads of synthetic checkpoints.",
+    )
+    add_arguments(bench)
+
+    def handler(args: argparse.Namespace) -> int:
+        code = run(args)
+        return int(code) if code is not None else 0
+
+    bench.set_defaults(handler=handler)
+
+
+def _unavailable(reason: str) -> Any:
+    def handler(args: argparse.Namespace) -> int:
+        raise UsageError(reason)
+
+    return handler
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (``__main__`` raises ``SystemExit``)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    try:
+        try:
+            parser = build_parser()
+            args, extra = parser.parse_known_args(args_list)
+        except SystemExit as exit_:  # --help, --version
+            return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)
+        debug = bool(getattr(args, "debug", False))
+        if extra and not getattr(args, "accepts_extra", False):
+            where = f"{PROG} {args.command}" if args.command else PROG
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (see '{where} --help')")
+        if args.command is None:
+            raise UsageError(
+                "missing command: demo, inspect, load or bench (see 'asyncslab --help')"
+            )
+        code: int = args.handler(args)
+        return code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _stderr_line(f"{PROG}: interrupted")
+        return 130
+    except BrokenPipeError:
+        # `asyncslab inspect x | head`: the reader left; say nothing more.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return 141
+    except (UsageError, AsyncSlabError, ValueError, OSError) as err:
+        if debug:
+            raise
+        _error(err)
+        return 2
+    except (MemoryError, _OUT_OF_MEMORY) as err:
+        if debug:
+            raise
+        _error(f"out of memory: {err}")
+        return 1
+
+
+_OUT_OF_MEMORY: type[BaseException] = getattr(torch, "OutOfMemoryError", MemoryError)
+
+
+def _stderr_line(text: str) -> None:
+    line = text.replace("\r", " ").replace("\n", " ")
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _error(err: BaseException | str) -> None:
+    message = err if isinstance(err, str) else (str(err) or type(err).__name__)
+    _stderr_line(f"{PROG}: error: {message}")
+
+
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` on uvloop when it is installed (servers use it), else on asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _open_and_plan(
+    path: Path, *, tier_map: Path | Mapping[int, Mapping[int, int]] | None, rank: int | None
+) -> tuple[Checkpoint, Plan]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    if isinstance(tier_map, Path) and not tier_map.is_file():
+        raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
+    checkpoint = Checkpoint.open(path)
+    return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
+
+
+def _natural(name: str) -> tuple[Any, ...]:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+def tier_table(p: Plan, indent: str = "  ") -> str | None:
+    """``layer | K3 | K4 | ... | experts | expert bytes``; ``None`` when nothing is tiered."""
+    tiers: Mapping[int, Mapping[str, int]] = p.extras.get("tiers") or {}
+    if not tiers:
+        return None
+    groups = sorted({g for counts in tiers.values() for g in counts}, key=_natural)
+    expert_bytes: dict[str, int] = defaultdict(int)
+    for spec in p.slabs.values():
+        if spec.labels.get("kind") == "experts":
+            expert_bytes[spec.labels.get("layer", "")] += spec.nbytes
+    rows: list[list[Any]] = []
+    totals = [0] * len(groups)
+    for layer, counts in sorted(tiers.items()):
+        cells = [counts.get(g, 0) for g in groups]
+        totals = [t + c for t, c in zip(totals, cells, strict=True)]
+        rows.append([layer, *cells, sum(cells), format_bytes(expert_bytes[str(layer)])])
+    rows.append(["all", *totals, sum(totals), format_bytes(sum(expert_bytes.values()))])
+    headers = ["layer", *groups, "experts", "expert bytes"]
+    return format_table(rows, headers, align="r" * len(headers), indent=indent)
+
+
+def _checkpoint_info(path: Path, checkpoint: Checkpoint) -> dict[str, Any]:
+    def name(p: Path) -> str:
+        try:
+            return str(p.relative_to(checkpoint.root))
+        except ValueError:
+            return str(p)
+
+    return {
+        "path": str(path),
+        "index": name(checkpoint.index) if checkpoint.index is not None else None,
+        "files": [
+            {
+                "name": name(f.path),
+                "bytes": f.size,
+                "payload_bytes": f.size - f.data_start,
+                "tensors": len(f.tensors),
+            }
+            for f in checkpoint.files
+        ],
+        "tensors": len(checkpoint),
+        "payload_bytes": checkpoint.total_bytes,
+    }
+
+
+def _bytes_exact(n: int) -> str:
+    return f"{format_bytes(n)} ({n:,} B)"
+
+
+def _plan_rows(p: Plan, checkpoint: Checkpoint) -> list[list[Any]]:
+    return [
+        [
+            "tensors",
+            f"{len(checkpoint):,}: {len(p.routes):,} routed, {len(p.checked):,} checked "
+            f"(markers), {len(p.skipped):,} skipped",
+        ],
+        ["slabs", f"{len(p.slabs):,}"],
+        ["units", f"{len(p.units):,}"],
+        [
+            "bytes",
+            f"{_bytes_exact(p.nbytes)} to load, of {format_bytes(checkpoint.total_bytes)} payload",
+        ],
+        ["fingerprint", p.fingerprint],
+    ]
+
+
+def _files_table(info: Mapping[str, Any], indent: str = "  ") -> str:
+    files = sorted(info["files"], key=lambda f: _natural(f["name"]))
+    rows = [[f["name"], f["tensors"], format_bytes(f["bytes"])] for f in files]
+    return format_table(rows, ["file", "tensors", "bytes"], align="lrr", indent=indent)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyResult:
+    """Outcome of comparing every routed tensor with what ``safetensors`` reads."""
+
+    tensors: int
+    mismatches: tuple[str, ...]
+    details: tuple[str, ...]
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "tensors": self.tensors,
+            "mismatches": list(self.mismatches),
+            "details": list(self.details),
+            "seconds": self.seconds,
+        }
+
+    def describe(self) -> str:
+        if self.ok:
+            return f"all {self.tensors:,} routed tensors match safetensors byte for byte"
+        more = f" and {len(self.details) - 1} more" if len(self.details) > 1 else ""
+        return (
+            f"{len(self.mismatches):,} of {self.tensors:,} routed tensors differ from "
+            f"safetensors: {self.details[0]}{more}"
+        )
+
+
+def _read_reference(file: Path, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors as the ``safetensors`` library reads them: the independent reference."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt", device="cpu") as handle:
+        for name in names:
+            yield name, handle.get_tensor(name)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bytewise equality of two uint8 vectors, compared in the widest aligned integer words
+    (comparing int64 words is several times faster than bytes, and just as exact)."""
+    if a.numel() != b.numel():
+        return False
+    for word in (torch.int64, torch.int32, torch.int16):
+        size = word.itemsize
+        if a.numel() % size == 0 and a.storage_offset() % size == 0 == b.storage_offset() % size:
+            return torch.equal(a.view(word), b.view(word))
+    return torch.equal(a, b)
+
+
+def verify_slabs(p: Plan, slabs: SlabSet) -> VerifyResult:
+    """Compare every routed tensor's slot with ``safetensors.safe_open(...).get_tensor``,
+    as raw bytes (so NaN payloads and signed zeros count)."""
+    started = time.perf_counter()
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for route in p.routes:
+        by_file[route.file].append(route.tensor)
+    mismatches: list[str] = []
+    details: list[str] = []
+    # Most tensors are a few KiB to a few MiB: waking a pool of threads for each
+    # comparison costs more than the comparison (measured: 8x slower with two threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_files(slabs, by_file, mismatches, details)
+    finally:
+        torch.set_num_threads(threads)
+    return VerifyResult(
+        tensors=len(p.routes),
+        mismatches=tuple(mismatches),
+        details=tuple(details),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _compare_files(
+    slabs: SlabSet,
+    by_file: Mapping[Path, Sequence[str]],
+    mismatches: list[str],
+    details: list[str],
+) -> None:
+    for file, names in by_file.items():
+        for name, expected in _read_reference(file, names):
+            got = slabs.view(name)
+            if got.device.type != "cpu":
+                got = got.cpu()
+            why = None
+            if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+                why = (
+                    f"slot holds {got.dtype} {list(got.shape)}, safetensors reads "
+                    f"{expected.dtype} {list(expected.shape)}"
+                )
+            else:
+                a, b = _raw(got), _raw(expected)
+                if not _same_bytes(a, b):
+                    first = int((a != b).nonzero()[0, 0])
+                    why = f"bytes differ, first at byte {first} of {b.numel()}"
+            if why is not None:
+                mismatches.append(name)
+                details.append(f"{name!r} ({why})")
+
+
+async def _load_and_verify(
+    checkpoint: Checkpoint,
+    p: Plan,
+    *,
+    device: str,
+    options: LoadOptions,
+    progress: ProgressBar | None,
+    verify: bool,
+) -> tuple[LoadStatistics, VerifyResult | None]:
+    slabs = await load(checkpoint, p, device=device, options=options, progress=progress)
+    async with slabs:
+        stats = slabs.statistics()
+        if progress is not None:
+            progress.finish()
+        result = verify_slabs(p, slabs) if verify else None
+    return stats, result
+
+
+def _run_load(
+    checkpoint: Checkpoint,
+    p: Plan,
+    *,
+    device: str,
+    options: LoadOptions,
+    show_progress: bool,
+    verify: bool,
+) -> tuple[LoadStatistics, VerifyResult | None]:
+    bar = ProgressBar(sys.stderr) if show_progress else None
+    try:
+        return run_async(
+            _load_and_verify(
+                checkpoint, p, device=device, options=options, progress=bar, verify=verify
+            )
+        )
+    finally:
+        if bar is not None:
+            bar.finish()
+
+
+def _result_rows(
+    stats: LoadStatistics, p: Plan, verify: VerifyResult | None, rss: int | None
+) -> list[list[Any]]:
+    needed = stats.bytes_needed
+    share = f" ({stats.bytes_read / needed * 100:.1f}%)" if needed else ""
+    if stats.staging_budget:
+        staging = f"{format_bytes(stats.staging_peak)} of {format_bytes(stats.staging_budget)}"
+    else:
+        staging = "none (reads land in the slabs directly)"
+    rows: list[list[Any]] = [
+        ["device", stats.device],
+        ["files", f"{stats.files:,}"],
+        ["tensors", f"{stats.tensors_landed:,} of {stats.tensors:,} routed tensors landed"],
+        ["slabs", f"{len(p.slabs):,} in {stats.units:,} units ({stats.units_complete:,} complete)"],
+        ["bytes", _bytes_exact(stats.bytes_landed)],
+        ["seconds", f"{stats.elapsed_s:.3f}"],
+        ["GB/s", f"{stats.gbps:.2f}"],
+        ["reads", f"{stats.reads:,}"],
+        ["peak staging", staging],
+        ["peak RSS", format_bytes(rss) if rss is not None else "unknown"],
+        ["read/needed", f"{format_bytes(stats.bytes_read)} / {format_bytes(needed)}{share}"],
+    ]
+    if verify is not None:
+        status = "OK" if verify.ok else "FAILED"
+        rows.append(["verify", f"{status}: {verify.describe()} ({verify.seconds:.2f}s)"])
+    return rows
+
+
+def _out(text: str = "", stream: TextIO | None = None) -> None:
+    print(text, file=stream if stream is not None else sys.stdout, flush=True)
+
+
+# --------------------------------------------------------------------------- demo
+
+
+@contextlib.contextmanager
+def _demo_directory(directory: Path | None, keep: bool) -> Iterator[tuple[Path, bool]]:
+    """``(path, kept)``: the given directory, a kept temp dir, or one removed afterwards."""
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        yield directory, True
+    elif keep:
+        yield Path(tempfile.mkdtemp(prefix="asyncslab-demo-")), True
+    else:
+        with tempfile.TemporaryDirectory(prefix="asyncslab-demo-") as tmp:
+            yield Path(tmp), False
+
+
+def _check_demo_directory(root: Path, spec: SyntheticSpec, size: int) -> None:
+    """Refuse to mix the demo into another checkpoint, or to fill the disk."""
+    from ._synthetic import _shard_names
+
+    ours = set(_shard_names(spec.n_shards))
+    others = sorted(p.name for p in root.glob("*.safetensors") if p.name not in ours)
+    stale_index = spec.n_shards == 1 and (root / "model.safetensors.index.json").exists()
+    if others or stale_index:
+        what = ", ".join(others[:3]) if others else "model.safetensors.index.json"
+        raise UsageError(
+            f"{root} already holds another checkpoint ({what}); choose an empty directory"
+        )
+    free = shutil.disk_usage(root).free
+    if free < size * 1.1:
+        raise UsageError(
+            f"not enough free space in {root} for a {format_bytes(size)} checkpoint "
+            f"({format_bytes(free)} free); use a smaller --size or --dir elsewhere"
+        )
+
+
+def _describe_spec(spec: SyntheticSpec) -> str:
+    n_moe = spec.n_layers - spec.first_dense
+    tiers = "/".join(f"K{b}" for b in sorted(spec.bits))
+    return (
+        f"{spec.n_layers} layers ({spec.first_dense} dense, {n_moe} MoE), {spec.n_experts} "
+        f"experts per MoE layer ({tiers} bits), hidden {spec.hidden}, expert intermediate "
+        f"{spec.intermediate}, {spec.n_shards} shards, {spec.fill} fill"
+    )
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    size: int = args.size
+    spec = spec_for_size(size)
+    _out(
+        f"asyncslab demo: a synthetic EXL3-like mixed-tier MoE checkpoint of ~{format_bytes(size)}"
+    )
+    _out(f"model: {_describe_spec(spec)}")
+    with _demo_directory(args.dir, args.keep) as (root, kept):
+        _check_demo_directory(root, spec, size)
+        started = time.perf_counter()
+        written: SyntheticCheckpoint = write_synthetic(root, spec)
+        write_s = time.perf_counter() - started
+        _out()
+        _out(
+            f"wrote {root}: {len(written.files)} files, {written.n_tensors:,} tensors, "
+            f"{_bytes_exact(written.total_bytes)} in {format_duration(write_s)}"
+        )
+
+        checkpoint, p = _open_and_plan(root, tier_map=written.tier_map_path, rank=None)
+        info = _checkpoint_info(root, checkpoint)
+        _out(_files_table(info))
+        _out()
+        _out(
+            "plan (headers only; each expert's tier read from its trellis shape and checked "
+            f"against {written.tier_map_path.name}):"
+        )
+        _out(format_table(_plan_rows(p, checkpoint), align="ll", indent="  "))
+        table = tier_table(p)
+        if table is not None:
+            _out()
+            _out("experts per tier, per layer (one slab per tier, projection and suffix):")
+            _out(table)
+        _out()
+        _out(f"loading into {args.device} slabs ...")
+        stats, verify = _run_load(
+            checkpoint,
+            p,
+            device=args.device,
+            options=LoadOptions(),
+            show_progress=not args.no_progress,
+            verify=True,
+        )
+        assert verify is not None
+        _out()
+        _out("result:")
+        _out(
+            format_table(_result_rows(stats, p, verify, peak_rss_bytes()), align="ll", indent="  ")
+        )
+        _out()
+        if kept:
+            _out(f"kept {root}; load it again with: asyncslab load {root} --verify")
+        else:
+            _out(f"removed {root}")
+    if not verify.ok:
+        _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
+        return 1
+    _out(f"OK: {verify.describe()}")
+    return 0
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
+    info = _checkpoint_info(path, checkpoint)
+    if args.json:
+        doc = {**p.summary(), "checkpoint": info}
+        _out(json.dumps(_jsonable(doc), indent=2))
+        return 0
+    index = f" (index {info['index']})" if info["index"] else ""
+    payload = format_bytes(info["payload_bytes"])
+    _out(f"checkpoint {path}{index}: {len(info['files'])} files, {payload} payload")
+    _out(_files_table(info))
+    _out()
+    _out("plan (default rules; headers only, no payload read):")
+    _out(format_table(_plan_rows(p, checkpoint), align="ll", indent="  "))
+    table = tier_table(p)
+    _out()
+    if table is None:
+        _out("tiers per layer: none (no tiered MoE expert tensors)")
+    else:
+        _out("tiers per layer:")
+        _out(table)
+    return 0
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    json_path: Path | None = args.json
+    if json_path is not None and not json_path.parent.is_dir():
+        raise FileNotFoundError(f"{json_path.parent}: directory for --json does not exist")
+    options = LoadOptions(
+        io_workers=args.io_workers,
+        read_size=args.read_mb,
+        staging_bytes=args.staging_mb,
+        streams=args.streams,
+    )
+    checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
+    stats, verify = _run_load(
+        checkpoint,
+        p,
+        device=args.device,
+        options=options,
+        show_progress=not args.no_progress,
+        verify=args.verify,
+    )
+    rss = peak_rss_bytes()
+    _out(f"loaded {path}:")
+    _out(format_table(_result_rows(stats, p, verify, rss), align="ll", indent="  "))
+    if json_path is not None:
+        doc: dict[str, Any] = dataclasses.asdict(stats)
+        doc.update(
+            gbps=stats.gbps,
+            peak_rss_bytes=rss,
+            verify=verify.as_dict() if verify is not None else None,
+            checkpoint=str(path),
+            plan={
+                "bytes": p.nbytes,
+                "slabs": len(p.slabs),
+                "tensors_routed": len(p.routes),
+                "fingerprint": p.fingerprint,
+            },
+            options=dataclasses.asdict(options),
+        )
+        json_path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n", encoding="utf-8")
+    if verify is not None and not verify.ok:
+        _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
+        return 1
+    return 0

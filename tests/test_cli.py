@@ -1,0 +1,492 @@
+"""The ``asyncslab`` command line: demo, inspect, load, bench, errors, progress output.
+
+Commands run in-process through ``main([...])`` (fast, capturable); one smoke test runs
+``python -m asyncslab demo`` as a real subprocess.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncslab
+from asyncslab import SyntheticCheckpoint, SyntheticSpec, _cli, write_synthetic
+from asyncslab._cli import main, parse_size
+from asyncslab._progress import ProgressBar, format_bytes, format_duration, format_table
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCheckpoint:
+    """A small three-shard tiered MoE checkpoint; tests must not modify it."""
+    return write_synthetic(tmp_path_factory.mktemp("cli-ckpt"), SyntheticSpec(n_layers=5))
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Temporary directories of the command (the demo's) go under this test's tmp_path."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def expected_tiers(ckpt: SyntheticCheckpoint) -> dict[int, dict[str, int]]:
+    return {
+        layer: dict(Counter(f"K{bits}" for bits in experts.values()))
+        for layer, experts in ckpt.tier_map.items()
+    }
+
+
+def parse_tier_table(text: str) -> dict[int, dict[str, int]]:
+    """Rows of the ``layer K3 K4 ... experts expert bytes`` table printed by the CLI."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:1] == ["layer"])
+    header = lines[start].split()
+    groups = header[1 : header.index("experts")]
+    assert lines[start + 1].strip().startswith("---")
+    tiers: dict[int, dict[str, int]] = {}
+    for line in lines[start + 2 :]:
+        cells = line.split()
+        if not cells or cells[0] == "all":
+            break
+        counts = [int(c) for c in cells[1 : 1 + len(groups)]]
+        tiers[int(cells[0])] = {g: c for g, c in zip(groups, counts, strict=True) if c}
+        assert int(cells[1 + len(groups)]) == sum(counts)
+    return tiers
+
+
+def assert_one_error_line(err: str, *fragments: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("asyncslab: error:"), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], err
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def test_demo_small_prints_tiers_result_and_verifies(
+    capsys: pytest.CaptureFixture[str], private_tmp: Path
+) -> None:
+    assert main(["demo", "--size", "2MiB"]) == 0
+    out, err = capsys.readouterr()
+    tiers = parse_tier_table(out)
+    assert tiers
+    assert all(set(counts) <= {"K3", "K4"} for counts in tiers.values())
+    assert "expert bytes" in out
+    assert "result:" in out
+    for row in ("files", "tensors", "bytes", "seconds", "GB/s", "peak RSS", "read/needed"):
+        assert f"\n  {row} " in out, row
+    verify = next(line for line in out.splitlines() if line.strip().startswith("verify"))
+    assert "OK: all" in verify
+    assert "match safetensors byte for byte" in verify
+    assert out.rstrip().splitlines()[-1].startswith("OK: all")
+    # Not a terminal: the progress bar prints its final line only (the load is fast).
+    assert err.count("\n") == 1
+    assert err.startswith("complete")
+    assert "100.0%" in err
+    # The temporary checkpoint is gone.
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_demo_dir_keeps_checkpoint_and_can_rerun(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = tmp_path / "demo"
+    for _ in range(2):
+        assert main(["demo", "--size", "2MiB", "--dir", str(target), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert f"kept {target}" in out
+    assert (target / "tier_map.json").is_file()
+    assert asyncslab.Checkpoint.open(target).total_bytes > 0
+
+
+def test_demo_refuses_directory_with_another_checkpoint(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    write_synthetic(tmp_path, SyntheticSpec(n_shards=1))
+    (tmp_path / "model.safetensors").rename(tmp_path / "other.safetensors")
+    assert main(["demo", "--size", "2MiB", "--dir", str(tmp_path)]) == 2
+    assert_one_error_line(capsys.readouterr().err, "other.safetensors", "empty directory")
+
+
+def test_python_m_asyncslab_demo_subprocess(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncslab", "demo", "--size", "2MiB"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "layer" in proc.stdout
+    assert "expert bytes" in proc.stdout
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("OK: all")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def test_inspect_prints_tiers_per_layer(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint
+) -> None:
+    assert main(["inspect", str(checkpoint.root)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    assert parse_tier_table(out) == expected_tiers(checkpoint)
+    for name in checkpoint.files:
+        assert name.name in out
+    plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
+    assert f"{len(plan.slabs):,}" in out
+    assert f"{plan.nbytes:,} B" in out
+    assert f"{checkpoint.n_tensors:,}: {len(plan.routes):,} routed" in out
+
+
+def test_inspect_json_matches_tier_map_and_plan(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint
+) -> None:
+    assert main(["inspect", str(checkpoint.root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    tiers = {int(layer): counts for layer, counts in doc["tiers"].items()}
+    assert tiers == expected_tiers(checkpoint)
+    plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
+    assert doc["bytes"] == plan.nbytes
+    assert doc["tensors_routed"] == len(plan.routes)
+    assert doc["fingerprint"] == plan.fingerprint
+    info = doc["checkpoint"]
+    assert info["tensors"] == checkpoint.n_tensors
+    assert info["payload_bytes"] == checkpoint.total_bytes
+    assert sorted(f["name"] for f in info["files"]) == sorted(p.name for p in checkpoint.files)
+
+
+def test_inspect_checks_declared_tier_map(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    args = ["inspect", str(checkpoint.root), "--tier-map", str(checkpoint.tier_map_path)]
+    assert main(args) == 0
+    capsys.readouterr()
+    wrong = json.loads(checkpoint.tier_map_path.read_text())
+    layer = next(iter(wrong))
+    wrong[layer]["0"] = 7 if wrong[layer]["0"] != 7 else 5
+    bad_map = tmp_path / "wrong.json"
+    bad_map.write_text(json.dumps(wrong))
+    assert main(["inspect", str(checkpoint.root), "--tier-map", str(bad_map)]) == 2
+    assert_one_error_line(capsys.readouterr().err, "tier map", "expert 0")
+
+
+# --------------------------------------------------------------------------- load
+
+
+def test_load_verify_json(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    report = tmp_path / "stats.json"
+    args = ["load", str(checkpoint.root), "--verify", "--json", str(report), "--read-mb", "0.5"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
+    doc = json.loads(report.read_text())
+    assert doc["state"] == "complete"
+    assert doc["bytes_landed"] == plan.nbytes == doc["plan"]["bytes"]
+    assert doc["tensors_landed"] == len(plan.routes)
+    assert doc["verify"]["ok"] is True
+    assert doc["verify"]["tensors"] == len(plan.routes)
+    assert doc["verify"]["mismatches"] == []
+    assert doc["gbps"] > 0
+    assert doc["peak_rss_bytes"] is None or doc["peak_rss_bytes"] > 0
+    assert doc["options"]["read_size"] == 1 << 19
+    assert "OK: all" in out
+    assert "peak RSS" in out
+    assert "peak staging" in out
+    assert err.startswith("complete")
+    assert "Traceback" not in err
+
+
+def test_load_verify_mismatch_exits_1_naming_the_tensor(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
+    victim = next(r.tensor for r in plan.routes if r.nbytes > 16)
+    real = _cli._read_reference
+
+    def tampered(file: Path, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in real(file, names):
+            if name == victim:
+                tensor = tensor.clone()
+                tensor.reshape(-1).view(torch.uint8)[3] ^= 0xFF
+            yield name, tensor
+
+    monkeypatch.setattr(_cli, "_read_reference", tampered)
+    report = tmp_path / "stats.json"
+    args = ["load", str(checkpoint.root), "--verify", "--no-progress", "--json", str(report)]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1
+    assert "verify failed" in lines[0]
+    assert repr(victim) in lines[0]
+    assert "first at byte 3" in lines[0]
+    assert "FAILED" in out
+    doc = json.loads(report.read_text())
+    assert doc["verify"]["ok"] is False
+    assert doc["verify"]["mismatches"] == [victim]
+
+
+@pytest.mark.parametrize("command", ["inspect", "load"])
+@pytest.mark.parametrize("where", ["single file", "shard of a directory"])
+def test_malformed_header_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    tmp_path: Path,
+    command: str,
+    where: str,
+) -> None:
+    if where == "single file":
+        broken = tmp_path / "broken.safetensors"
+        broken.write_bytes(b"\x01\x02\x03\x04")
+        target = broken
+    else:
+        target = tmp_path / "ckpt"
+        target.mkdir()
+        for path in [*checkpoint.files, checkpoint.index]:
+            assert path is not None
+            (target / path.name).write_bytes(path.read_bytes())
+        broken = target / checkpoint.files[1].name
+        broken.write_bytes(b"\x01\x02\x03\x04")
+    assert main([command, str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert_one_error_line(err, broken.name, "8-byte header")
+
+
+@pytest.mark.parametrize("command", ["inspect", "load", "load --verify"])
+def test_nonexistent_path_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    assert main([*command.split(), str(missing)]) == 2
+    assert_one_error_line(capsys.readouterr().err, str(missing))
+
+
+def test_missing_tier_map_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.json"
+    assert main(["load", str(checkpoint.root), "--tier-map", str(missing)]) == 2
+    assert_one_error_line(capsys.readouterr().err, "nope.json")
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+@pytest.mark.parametrize("size", ["12XB", "abc", "0", "-5MiB", "5iB", "", "1.5.2G", "0.1"])
+def test_bad_demo_size_exits_2(capsys: pytest.CaptureFixture[str], size: str) -> None:
+    assert main(["demo", "--size", size]) == 2
+    assert_one_error_line(capsys.readouterr().err, "--size")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("64MiB", 64 << 20),
+        ("1GiB", 1 << 30),
+        ("3GB", 3_000_000_000),
+        ("500M", 500 << 20),
+        ("500mb", 500_000_000),
+        ("2k", 2048),
+        ("1.5KiB", 1536),
+        ("4096", 4096),
+        ("10B", 10),
+        (" 2 Gi ", 2 << 30),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        ([], "missing command"),
+        (["frobnicate"], "invalid choice"),
+        (["load"], "required"),
+        (["load", "x", "--io-workers", "0"], "--io-workers"),
+        (["load", "x", "--staging-mb", "-1"], "--staging-mb"),
+        (["load", "x", "--device", "tpu"], "--device"),
+        (["load", "x", "--rank", "-1"], "--rank"),
+        (["inspect", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_usage_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert_one_error_line(err, fragment)
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "inspect", "load", "bench"):
+        assert command in out
+
+
+def test_debug_reraises(tmp_path: Path) -> None:
+    with pytest.raises(asyncslab.MissingFileError):
+        main(["--debug", "inspect", str(tmp_path)])
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", str(tmp_path / "missing"), "--debug"])
+
+
+def test_keyboard_interrupt_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_cli, "_cmd_inspect", interrupted)
+    assert main(["inspect", "anything"]) == 130
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["asyncslab: interrupted"]
+
+
+def test_bench_unavailable_exits_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "asyncslab._bench", None)
+    assert main(["bench", "--size", "1GiB"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["asyncslab: error: bench is not available"]
+
+
+def test_run_async_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def answer() -> int:
+        return 42
+
+    assert _cli.run_async(answer()) == 42
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    assert _cli.run_async(answer()) == 42
+
+
+# --------------------------------------------------------------------------- progress, tables
+
+
+@dataclass
+class FakeStats:
+    state: str = "loading"
+    bytes_landed: int = 0
+    bytes_needed: int = 1 << 30
+    bytes_total: int = 1 << 30
+    units: int = 10
+    units_complete: int = 0
+    elapsed_s: float = 0.0
+    gbps: float = 0.0
+    eta_s: float | None = None
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_log_mode_prints_at_most_one_line_per_second() -> None:
+    stream, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(stream, tty=False, clock=clock)
+    for i in range(1, 31):  # 3 s of snapshots every 0.1 s
+        clock.now += 0.1
+        bar(FakeStats(bytes_landed=i << 25, units_complete=i // 3, elapsed_s=i / 10, gbps=3.4))
+    bar(FakeStats(state="complete", bytes_landed=1 << 30, units_complete=10, elapsed_s=3.0))
+    bar.finish()
+    lines = stream.getvalue().splitlines()
+    assert 3 <= len(lines) <= 4
+    assert "\r" not in stream.getvalue()
+    assert lines[0].startswith("loading")
+    assert "GiB" in lines[0]
+    assert "GB/s" in lines[0]
+    assert lines[-1].startswith("complete")
+    assert "100.0%" in lines[-1]
+    assert "units 10/10" in lines[-1]
+
+
+def test_progress_log_mode_finish_prints_pending_snapshot() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=False, clock=FakeClock())
+    bar(FakeStats(bytes_landed=1 << 29, units_complete=5, eta_s=1.5))
+    assert stream.getvalue() == ""
+    bar.finish()
+    bar.finish()
+    assert stream.getvalue().splitlines() == [stream.getvalue().rstrip("\n")]
+    assert "50.0%" in stream.getvalue()
+    assert "ETA 1.50s" in stream.getvalue()
+
+
+def test_progress_tty_mode_redraws_one_line() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=True, width=120, clock=FakeClock())
+    bar(FakeStats(bytes_landed=1 << 28, units_complete=2, eta_s=90.0, gbps=1.0))
+    bar(FakeStats(bytes_landed=1 << 29, units_complete=5, eta_s=1.0, gbps=1.0))
+    bar(FakeStats(state="complete", bytes_landed=1 << 30, units_complete=10, elapsed_s=2.0))
+    bar.finish()
+    text = stream.getvalue()
+    assert text.count("\r") == 3
+    assert text.count("\n") == 1
+    assert text.endswith("\n")
+    frames = text.rstrip("\n").split("\r")[1:]
+    assert "[######------------------]" in frames[0]
+    assert "ETA 1m30s" in frames[0]
+    assert "#" * 24 in frames[2]
+    assert "units 10/10" in frames[2]
+    assert "in 2.00s" in frames[2]
+
+
+def test_progress_survives_a_closed_stream() -> None:
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=True, clock=FakeClock())
+    stream.close()
+    bar(FakeStats(bytes_landed=1))
+    bar.finish()
+
+
+def test_format_helpers() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(67_488_768) == "64.4 MiB"
+    assert format_bytes(1 << 20, unit_of=1 << 30) == "0.0 GiB"
+    assert format_duration(None) == "--"
+    assert format_duration(3725) == "1h02m"
+    table = format_table([["a", 1, 2.5], ["bbb", 100, 0.25]], ["name", "n", "x"])
+    assert table.splitlines() == [
+        "name    n     x",
+        "----  ---  ----",
+        "a       1   2.5",
+        "bbb   100  0.25",
+    ]
+    with pytest.raises(ValueError, match="align"):
+        format_table([["a"]], align="lr")
