@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
@@ -38,6 +38,8 @@ from ._staging import StagingRing
 from ._tracker import Tracker
 
 __all__ = ["LoadOptions", "LoadStatistics", "SlabSet", "load"]
+
+T = TypeVar("T")
 
 State = Literal["empty", "loading", "complete", "failed", "cancelled"]
 UnitCallback = Callable[[str, "SlabSet"], Awaitable[None]]
@@ -419,7 +421,7 @@ class SlabSet:
             raise wrapped from err
         finally:
             drained = await _uncancellable(pool.drain(options.read_timeout))
-            pool.close(wait=drained)
+            await _uncancellable(pool.close(wait=drained))
             for fd in fds.values():
                 os.close(fd)
             if self._ring is not None:
@@ -551,7 +553,7 @@ def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return group.exceptions[0]
 
 
-async def _uncancellable(awaitable: Awaitable[bool]) -> bool:
+async def _uncancellable(awaitable: Awaitable[T]) -> T:
     """Finish cleanup even if the task is cancelled again meanwhile, then re-raise."""
     task = asyncio.ensure_future(awaitable)
     cancelled = False

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ._errors import ReadError
 
@@ -66,21 +68,50 @@ def byte_view(address: int, nbytes: int) -> memoryview:
 
 
 class IoPool:
-    """A bounded thread pool whose work is always finished before the pool is released.
+    """A fixed set of I/O threads whose work is always finished before they are released.
 
     ``run`` hands a blocking call to a thread; ``drain`` waits for every call still in a
-    thread (including ones whose awaiting task was cancelled) so that no thread writes
-    into memory its load no longer owns.
+    thread (including ones whose awaiting task was cancelled) so that no thread writes into
+    memory its load no longer owns. Threads are started and joined by short-lived helper
+    threads: ``Thread.start()`` and ``join()`` block their caller until the new or exiting
+    thread gets the GIL, which, with other I/O threads busy, took tens of milliseconds on
+    the event loop.
     """
 
     def __init__(self, workers: int, name: str = "asyncslab-io") -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name)
-        self._inflight: set[concurrent.futures.Future[object]] = set()
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+            | None
+        ] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(workers)
+        ]
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
+        self._starter: threading.Thread | None = None
 
-    async def run(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        future = self._pool.submit(fn, *args, **kwargs)
-        self._inflight.add(future)  # type: ignore[arg-type]
-        future.add_done_callback(self._inflight.discard)  # type: ignore[arg-type]
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as err:  # handed to the awaiting task
+                future.set_exception(err)
+            else:
+                future.set_result(result)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._starter is None:
+            self._starter = threading.Thread(
+                target=lambda: [t.start() for t in self._threads], name="asyncslab-io-start"
+            )
+            self._starter.start()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._inflight.add(future)
+        future.add_done_callback(self._inflight.discard)
+        self._queue.put((future, fn, args, kwargs))
         return await asyncio.wrap_future(future)
 
     async def drain(self, timeout: float | None) -> bool:
@@ -88,11 +119,25 @@ class IoPool:
         pending = [f for f in list(self._inflight) if not f.cancel()]
         if not pending:
             return True
-        _, still = await asyncio.wait(
-            [asyncio.wrap_future(f) for f in pending], timeout=timeout
-        )
+        _, still = await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=timeout)
         return not still
 
-    def close(self, wait: bool) -> None:
-        # After a successful drain the workers are idle, so joining them is immediate.
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+    async def close(self, wait: bool) -> None:
+        """Stop the threads; with ``wait``, until they have exited (a thread stuck in a
+        read is a daemon and is left behind when ``wait`` is false)."""
+        for _ in self._threads:
+            self._queue.put(None)
+        starter = self._starter
+        if not wait or starter is None:
+            return
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def join() -> None:
+            starter.join()
+            for t in self._threads:
+                t.join()
+            loop.call_soon_threadsafe(lambda: exited.done() or exited.set_result(None))
+
+        threading.Thread(target=join, name="asyncslab-io-join").start()
+        await exited
