@@ -151,6 +151,11 @@ def _is_object(value: Any) -> bool:
     return type(value) is tuple
 
 
+def _reject_constant(name: str) -> Any:
+    # NaN and Infinity are Python's extension of JSON; the reference refuses them.
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
     """Top-level JSON object as a dict; nested objects stay tuples of pairs.
 
@@ -160,8 +165,10 @@ def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
     objects they use into dicts with :func:`_as_dict`, which checks for duplicates.
     """
     try:
-        obj = json.loads(text, object_pairs_hook=tuple)
-    except (json.JSONDecodeError, RecursionError) as err:
+        obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        # ValueError, not just JSONDecodeError: an integer past Python's 4300-digit limit
+        # raises a bare ValueError.
         raise HeaderJSONError(f"{what} is not valid JSON: {err}", file=file) from None
     if not _is_object(obj):
         raise HeaderJSONError(
@@ -215,7 +222,8 @@ def parse_header(
             ) from None
         itemsize = itemsizes.get(st) if type(st) is str else None
         if itemsize is None:
-            why = "sub-byte dtypes are not supported" if st in _SUB_BYTE else "unknown dtype"
+            sub_byte = type(st) is str and st in _SUB_BYTE  # a list or object is unhashable
+            why = "sub-byte dtypes are not supported" if sub_byte else "unknown dtype"
             raise UnknownDtypeError(
                 f"{why} {st!r}; expected one of {sorted(itemsizes)}",
                 file=path,
@@ -251,6 +259,16 @@ def parse_header(
                 tensor=name,
             )
         expected = math.prod(shape) * itemsize
+        if not expected and math.prod(filter(None, shape)) * itemsize >= _U64:
+            # A zero dimension hides the others from the product, but they must still fit
+            # 64 bits: the reference refuses them, and torch cannot stride such a shape.
+            raise SizeMismatchError(
+                f"shape {shape} x {itemsize} bytes ({st}) overflows 64 bits",
+                file=path,
+                tensor=name,
+                expected=expected,
+                got=end - begin,
+            )
         if expected != end - begin:
             overflow = " (overflows 64 bits)" if expected >= _U64 else ""
             raise SizeMismatchError(
@@ -475,6 +493,8 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
+    if not index_path.is_file():  # opening a FIFO would block forever
+        raise IndexFileError("index is not a regular file", file=index_path)
     try:
         text = index_path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -508,7 +528,10 @@ def _check_inside(root: Path, name: str, index_path: Path | None) -> Path:
             f"file name {name!r} must be relative and stay inside {root}", file=where
         )
     candidate = root / pure
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve()
+    except (OSError, RuntimeError) as err:  # a symlink loop: RuntimeError before 3.13
+        raise MissingFileError(f"cannot resolve {name!r}: {err}", file=candidate) from None
     if not resolved.is_relative_to(root.resolve()):
         raise UnsafePathError(
             f"{name!r} resolves to {resolved}, outside the checkpoint directory {root}",
