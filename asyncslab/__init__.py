@@ -4,43 +4,109 @@ Plan before I/O (headers only, every tensor resolved to its slot and validated),
 pipelined async pass that writes every byte once into its final place.
 """
 
+from ._bind import bind_module as bind_module
 from ._errors import (
     AsyncSlabError as AsyncSlabError,
+)
+from ._errors import (
     BindError as BindError,
+)
+from ._errors import (
     CheckpointError as CheckpointError,
+)
+from ._errors import (
     ClosedError as ClosedError,
+)
+from ._errors import (
     CoverageError as CoverageError,
+)
+from ._errors import (
     DtypeMismatchError as DtypeMismatchError,
+)
+from ._errors import (
     DuplicateKeyError as DuplicateKeyError,
+)
+from ._errors import (
     DuplicateLandingError as DuplicateLandingError,
+)
+from ._errors import (
     DuplicateTensorError as DuplicateTensorError,
+)
+from ._errors import (
     FileChangedError as FileChangedError,
+)
+from ._errors import (
     FileTooShortError as FileTooShortError,
+)
+from ._errors import (
     HeaderBoundsError as HeaderBoundsError,
+)
+from ._errors import (
     HeaderEncodingError as HeaderEncodingError,
+)
+from ._errors import (
     HeaderError as HeaderError,
+)
+from ._errors import (
     HeaderJSONError as HeaderJSONError,
+)
+from ._errors import (
     HeaderTooLargeError as HeaderTooLargeError,
+)
+from ._errors import (
     IncompleteLoadError as IncompleteLoadError,
+)
+from ._errors import (
     IndexFileError as IndexFileError,
+)
+from ._errors import (
     IndexMismatchError as IndexMismatchError,
+)
+from ._errors import (
     InvalidShapeError as InvalidShapeError,
+)
+from ._errors import (
     LoadError as LoadError,
+)
+from ._errors import (
     MissingFileError as MissingFileError,
+)
+from ._errors import (
     OffsetError as OffsetError,
+)
+from ._errors import (
     PartitionError as PartitionError,
+)
+from ._errors import (
     PayloadSizeError as PayloadSizeError,
+)
+from ._errors import (
     PlanError as PlanError,
+)
+from ._errors import (
     ReadError as ReadError,
+)
+from ._errors import (
     ReadTimeoutError as ReadTimeoutError,
+)
+from ._errors import (
     ShapeMismatchError as ShapeMismatchError,
+)
+from ._errors import (
     SizeMismatchError as SizeMismatchError,
+)
+from ._errors import (
     TierMapError as TierMapError,
+)
+from ._errors import (
     UnknownDtypeError as UnknownDtypeError,
+)
+from ._errors import (
     UnmatchedTensorError as UnmatchedTensorError,
+)
+from ._errors import (
     UnsafePathError as UnsafePathError,
 )
-from ._bind import bind_module as bind_module
 from ._format import Checkpoint as Checkpoint
 from ._format import ShardFile as ShardFile
 from ._format import TensorInfo as TensorInfo

@@ -85,7 +85,10 @@ class CudaCopier:
 
     def __init__(self, device: torch.device, streams: int) -> None:
         self.device = device
-        self.streams = [torch.cuda.Stream(device=device) for _ in range(max(1, streams))]
+        self.streams = [
+            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            for _ in range(max(1, streams))
+        ]
 
     def copy(
         self,
@@ -108,6 +111,6 @@ class CudaCopier:
                     buffer[piece.read_offset : piece.read_offset + piece.nbytes],
                     non_blocking=True,
                 )
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         event.synchronize()

@@ -419,22 +419,21 @@ class Checkpoint:
 
     @classmethod
     def _open(cls, path: Path) -> Checkpoint:
+        index_path: Path | None = None
+        weight_map: dict[str, str] | None = None
         if path.is_dir():
             root = path
-            index_path = root / INDEX_NAME
-            if index_path.exists():
+            if (root / INDEX_NAME).exists():
+                index_path = root / INDEX_NAME
                 weight_map = _read_index(index_path)
                 paths = _index_files(root, weight_map, index_path)
             else:
-                index_path = None
-                weight_map = None
-                paths = [_check_inside(root, p.name, None) for p in sorted(root.glob("*.safetensors"))]
+                found = sorted(root.glob("*.safetensors"))
+                paths = [_check_inside(root, p.name, None) for p in found]
                 if not paths:
                     raise MissingFileError("no *.safetensors files and no index", file=root)
         else:
             root = path.parent
-            index_path = None
-            weight_map = None
             paths = [path]
 
         files: list[ShardFile] = []
@@ -445,8 +444,7 @@ class Checkpoint:
             if not tensors.keys().isdisjoint(shard.tensors):
                 _raise_duplicate(infos, tensors, file_path)
             tensors.update((info.name, info) for info in infos)
-        if weight_map is not None:
-            assert index_path is not None
+        if weight_map is not None and index_path is not None:
             _check_index_matches(weight_map, paths, tensors, index_path, root)
         return cls(root, tuple(files), MappingProxyType(tensors), index_path)
 
@@ -457,7 +455,8 @@ class Checkpoint:
         return iter(self.tensors.values())
 
     def __repr__(self) -> str:
-        return f"Checkpoint({str(self.root)!r}, files={len(self.files)}, tensors={len(self.tensors)})"
+        root = str(self.root)
+        return f"Checkpoint({root!r}, files={len(self.files)}, tensors={len(self.tensors)})"
 
     @property
     def total_bytes(self) -> int:
@@ -504,7 +503,7 @@ def _read_index(index_path: Path) -> dict[str, str]:
     except (HeaderJSONError, DuplicateKeyError) as err:
         raise IndexFileError(err.message, file=index_path) from None
     raw_map = obj.get("weight_map")
-    if not _is_object(raw_map):
+    if raw_map is None or not _is_object(raw_map):
         raise IndexFileError("index has no 'weight_map' object", file=index_path)
     try:
         weight_map = _as_dict(raw_map, file=index_path, what="weight_map")

@@ -67,6 +67,16 @@ def byte_view(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
+_Job = tuple[
+    concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]
+]
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class IoPool:
     """A fixed set of I/O threads whose work is always finished before they are released.
 
@@ -79,16 +89,17 @@ class IoPool:
     """
 
     def __init__(self, workers: int, name: str = "asyncslab-io") -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-            | None
-        ] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
             for i in range(workers)
         ]
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._starter: threading.Thread | None = None
+
+    def _start_all(self) -> None:
+        for thread in self._threads:
+            thread.start()
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -104,9 +115,7 @@ class IoPool:
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._starter is None:
-            self._starter = threading.Thread(
-                target=lambda: [t.start() for t in self._threads], name="asyncslab-io-start"
-            )
+            self._starter = threading.Thread(target=self._start_all, name="asyncslab-io-start")
             self._starter.start()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._inflight.add(future)
@@ -114,12 +123,12 @@ class IoPool:
         self._queue.put((future, fn, args, kwargs))
         return await asyncio.wrap_future(future)
 
-    async def drain(self, timeout: float | None) -> bool:
-        """Wait for calls still running; ``False`` if some outlived ``timeout``."""
+    async def drain(self, limit: float | None) -> bool:
+        """Wait for calls still running; ``False`` if some outlived ``limit`` seconds."""
         pending = [f for f in list(self._inflight) if not f.cancel()]
         if not pending:
             return True
-        _, still = await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=timeout)
+        _, still = await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=limit)
         return not still
 
     async def close(self, wait: bool) -> None:
@@ -137,7 +146,7 @@ class IoPool:
             starter.join()
             for t in self._threads:
                 t.join()
-            loop.call_soon_threadsafe(lambda: exited.done() or exited.set_result(None))
+            loop.call_soon_threadsafe(_set_done, exited)
 
         threading.Thread(target=join, name="asyncslab-io-join").start()
         await exited
