@@ -125,6 +125,7 @@ from ._plan import Rule as Rule
 from ._plan import SlabSpec as SlabSpec
 from ._plan import plan as plan
 from ._rules import Dense as Dense
+from ._rules import RowSlice as RowSlice
 from ._rules import Stack as Stack
 from ._rules import default_rules as default_rules
 from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
@@ -171,6 +172,7 @@ __all__ = [
     "ReadError",
     "ReadTimeoutError",
     "Route",
+    "RowSlice",
     "Rule",
     "ShapeMismatchError",
     "ShardFile",

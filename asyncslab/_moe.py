@@ -156,7 +156,9 @@ class TieredMoE:
     dtype; ``markers`` are suffixes that are dtype-checked and never placed. The tier of an
     expert comes from ``tier_of(shape of its tier_suffix tensor)``, verified against
     ``tier_map`` when one is declared. ``tier_suffix=None`` puts every expert in one group.
-    With ``rank`` set, a rank-sliced checkpoint routes only that rank's slices.
+    With ``rank`` set, a rank-sliced checkpoint routes only that rank's slices. With
+    ``owns`` set (expert parallelism), only experts for which ``owns(layer, expert)`` holds
+    are planned; the others are skipped, never read, and the partition covers the owned ones.
     """
 
     pattern: str = EXL3_EXPERT_PATTERN
@@ -176,6 +178,7 @@ class TieredMoE:
     rank: int | None = None
     n_experts: int | None = None
     unit_of: Callable[[int], str] = _layer_unit
+    owns: Callable[[int, int], bool] | None = None
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -216,12 +219,22 @@ class TieredMoE:
 
         skipped: list[str] = []
         own = self._select_rank(by_layer, skipped)
+        extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
+        if self.owns is not None:
+            owns = self.owns
+            for layer, items in own.items():
+                skipped.extend(t.info.name for t in items if not owns(layer, t.expert))
+                own[layer] = [t for t in items if owns(layer, t.expert)]
         slabs: list[SlabSpec] = []
         routes: list[Route] = []
         checked: list[str] = []
         partitions: dict[int, ExpertPartition] = {}
         for layer in sorted(own):
-            partition, layer_slabs, layer_routes = self._plan_layer(layer, own[layer], checked)
+            if not own[layer]:  # an expert-parallel rank that owns none of this layer
+                continue
+            partition, layer_slabs, layer_routes = self._plan_layer(
+                layer, own[layer], checked, extent[layer]
+            )
             partitions[layer] = partition
             slabs.extend(layer_slabs)
             routes.extend(layer_routes)
@@ -280,12 +293,18 @@ class TieredMoE:
             skipped.extend(t.info.name for t in items if t.rank != self.rank)
         return own
 
-    def _partition(self, layer: int, items: list[_Expert]) -> ExpertPartition:
+    def _universe(self, layer: int, base: Iterable[int]) -> list[int]:
+        return [e for e in base if self.owns is None or self.owns(layer, e)]
+
+    def _partition(self, layer: int, items: list[_Expert], extent: int) -> ExpertPartition:
         seen = sorted({t.expert for t in items})
         observed: dict[int, dict[int, list[TensorInfo]]] = defaultdict(lambda: defaultdict(list))
         if self.tier_suffix is None:
-            universe = range(self.n_experts or (max(seen) + 1))
-            return ExpertPartition({"all": seen}, universe)
+            universe = self._universe(layer, range(self.n_experts or extent))
+            try:
+                return ExpertPartition({"all": seen}, universe)
+            except PartitionError as err:
+                raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
         for t in items:
             if t.suffix == self.tier_suffix:
                 observed[t.expert][self.tier_of(t.info.shape)].append(t.info)
@@ -312,7 +331,7 @@ class TieredMoE:
             declared = self.tier_map.get(layer)
             if declared is None:
                 raise TierMapError(f"tier map has no entry for MoE layer {layer}", layer=layer)
-            universe: Iterable[int] = declared.keys()
+            universe = self._universe(layer, declared.keys())
             wrong = [
                 (e, declared[e], bits, observed[e][bits][0].name)
                 for e, bits in sorted(bits_of.items())
@@ -331,7 +350,7 @@ class TieredMoE:
                     got=got,
                 )
         else:
-            universe = range(self.n_experts or (max(seen) + 1))
+            universe = self._universe(layer, range(self.n_experts or extent))
         try:
             return ExpertPartition.from_assignment(
                 {e: self.group_name(b) for e, b in bits_of.items()},
@@ -342,9 +361,9 @@ class TieredMoE:
             raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
 
     def _plan_layer(
-        self, layer: int, items: list[_Expert], checked: list[str]
+        self, layer: int, items: list[_Expert], checked: list[str], extent: int
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
-        partition = self._partition(layer, items)
+        partition = self._partition(layer, items, extent)
         prefix = items[0].prefix
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]] = defaultdict(list)
         present: set[tuple[int, str, str]] = set()
@@ -360,6 +379,9 @@ class TieredMoE:
                         tensor=t.info.name,
                         expected=safetensors_dtype(expected),
                         got=t.info.st_dtype,
+                        layer=layer,
+                        expert=t.expert,
+                        shard=t.proj,
                     )
                 checked.append(t.info.name)
                 continue
@@ -414,7 +436,7 @@ class TieredMoE:
         return partition, slabs, routes
 
 
-def load_tier_map(source: str | Path | Mapping[str, Any]) -> dict[int, dict[int, int]]:
+def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int, int]]:
     """Read a declared tier map: ``{"<layer>": {"<expert>": bits}}`` or
     ``{"<layer>": [bits of expert 0, 1, ...]}``, optionally under a top-level ``"layers"``."""
     where = str(source) if isinstance(source, (str, Path)) else "<tier map>"

@@ -95,7 +95,8 @@ class Route:
     """One checkpoint tensor, its bytes on disk, and the slot they land in.
 
     ``layer``, ``expert``, ``shard`` and ``suffix`` are there for messages; an error about
-    a route names all that are known.
+    a route names all that are known. ``shape`` is set when the route carries a slice of its
+    tensor (rows of a row-major tensor are one contiguous byte range).
     """
 
     tensor: str
@@ -110,6 +111,7 @@ class Route:
     expert: int | None = None
     shard: str | None = None
     suffix: str | None = None
+    shape: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         parts = []
@@ -150,17 +152,34 @@ class Rule(Protocol):
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim: ...
 
 
-def make_route(info: TensorInfo, spec: SlabSpec, slot: tuple[int, ...], **context: Any) -> Route:
-    """A route for ``info`` into ``slot`` of ``spec``; rules call this, :func:`plan` checks it."""
+def make_route(
+    info: TensorInfo,
+    spec: SlabSpec,
+    slot: tuple[int, ...],
+    *,
+    rows: tuple[int, int] | None = None,
+    **context: Any,
+) -> Route:
+    """A route for ``info`` (or its ``rows`` ``[start, stop)``) into ``slot`` of ``spec``;
+    rules call this, :func:`plan` checks it."""
+    offset, nbytes, shape = info.offset, info.nbytes, None
+    if rows is not None:
+        start, stop = rows
+        if not info.shape or not 0 <= start <= stop <= info.shape[0]:
+            raise PlanError(f"rows {rows} are outside shape {list(info.shape)}", tensor=info.name)
+        row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
+        offset, nbytes = info.offset + start * row_bytes, (stop - start) * row_bytes
+        shape = (stop - start, *info.shape[1:])
     return Route(
         tensor=info.name,
         file=info.file,
-        src_offset=info.offset,
-        nbytes=info.nbytes,
+        src_offset=offset,
+        nbytes=nbytes,
         slab=spec.name,
         slot=slot,
         dst_offset=spec.slot_offset(slot),
         unit=spec.unit,
+        shape=shape,
         **context,
     )
 
@@ -219,7 +238,8 @@ class Plan:
     def layout_fingerprint(self) -> str:
         """Hash of the slab specs alone: two plans with the same layout can share slabs."""
         h = hashlib.sha256()
-        for spec in self.slabs.values():
+        # By name: slab order follows the files' payload order, which is not layout.
+        for spec in sorted(self.slabs.values(), key=lambda s: s.name):
             h.update(f"{spec.name}|{spec.unit}|{spec.dtype}|{spec.shape};".encode())
         return h.hexdigest()[:16]
 
@@ -227,7 +247,8 @@ class Plan:
     def fingerprint(self) -> str:
         """Hash of layout and routes: equal on every rank that planned the same load."""
         h = hashlib.sha256(self.layout_fingerprint.encode())
-        for r in self.routes:
+        # By tensor name, so that resharding the same tensors keeps the fingerprint.
+        for r in sorted(self.routes, key=lambda r: r.tensor):
             h.update(f"{r.tensor}|{r.slab}|{r.slot}|{r.nbytes};".encode())
         return h.hexdigest()[:16]
 
@@ -375,14 +396,16 @@ def _validate(
                 expert=route.expert,
                 shard=route.shard,
             )
-        if info.shape != spec.item_shape:
+        shape = route.shape if route.shape is not None else info.shape
+        if shape != spec.item_shape or route.nbytes != spec.slot_nbytes:
+            sliced = "" if route.shape is None else f" (a slice of {list(info.shape)})"
             raise ShapeMismatchError(
-                f"shape {list(info.shape)}, slot expects {list(spec.item_shape)} "
+                f"shape {list(shape)}{sliced}, slot expects {list(spec.item_shape)} "
                 f"({route.describe()})",
                 file=info.file,
                 tensor=info.name,
                 expected=spec.item_shape,
-                got=info.shape,
+                got=shape,
                 layer=route.layer,
                 expert=route.expert,
                 shard=route.shard,

@@ -14,7 +14,7 @@ from ._errors import DtypeMismatchError, PlanError
 from ._format import Checkpoint, TensorInfo, safetensors_dtype
 from ._plan import Claim, Route, Rule, SlabSpec, make_route, mode_shape, unit_of_layer
 
-__all__ = ["Dense", "Stack", "default_rules"]
+__all__ = ["Dense", "Stack", "RowSlice", "default_rules"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,46 @@ class Stack:
         return Claim(slabs=tuple(slabs), routes=tuple(routes))
 
 
+@dataclass(frozen=True, slots=True)
+class RowSlice:
+    """Tensor parallelism over a whole-tensor checkpoint: rank ``rank`` of ``world`` gets
+    rows ``[rank * n / world, (rank + 1) * n / world)`` of each matching tensor.
+
+    Rows of a row-major tensor are one contiguous byte range, so a rank reads only its own
+    rows. The first dimension must divide evenly. (Column slices would need strided reads;
+    they are not supported.)
+    """
+
+    pattern: str
+    rank: int
+    world: int
+    unit_of: Callable[[str], str] = unit_of_layer
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        if not 0 <= self.rank < self.world:
+            raise PlanError(f"RowSlice rank {self.rank} is outside world size {self.world}")
+        regex = re.compile(self.pattern)
+        slabs: list[SlabSpec] = []
+        routes: list[Route] = []
+        for name, info in pending.items():
+            if not regex.fullmatch(name):
+                continue
+            if not info.shape or info.shape[0] % self.world:
+                raise PlanError(
+                    f"cannot split shape {list(info.shape)} by rows into {self.world} equal "
+                    "parts",
+                    file=info.file,
+                    tensor=name,
+                )
+            rows = info.shape[0] // self.world
+            shape = (rows, *info.shape[1:])
+            spec = SlabSpec(name, self.unit_of(name), info.dtype, (), shape, {"kind": "rows"})
+            slabs.append(spec)
+            start = self.rank * rows
+            routes.append(make_route(info, spec, (), rows=(start, start + rows)))
+        return Claim(slabs=tuple(slabs), routes=tuple(routes))
+
+
 def _agreed_dtype(key: str, items: list[tuple[int, TensorInfo]]) -> torch.dtype:
     by_dtype: dict[torch.dtype, list[str]] = defaultdict(list)
     for _, info in items:
@@ -106,5 +146,6 @@ def default_rules(
     """Tiered MoE experts (EXL3-like naming), then one slab per remaining tensor."""
     from ._moe import TieredMoE, load_tier_map
 
-    declared = load_tier_map(tier_map) if isinstance(tier_map, (str, Path)) else tier_map
+    # Mappings too: JSON-loaded maps have string keys, and the list form needs expanding.
+    declared = load_tier_map(tier_map) if tier_map is not None else None
     return [TieredMoE(tier_map=declared, rank=rank), Dense()]
