@@ -121,6 +121,10 @@ class _SlabMapping(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._owner.slab(name)
 
+    def __contains__(self, name: object) -> bool:
+        # Membership is about the plan; only reading an incomplete slab is refused.
+        return name in self._owner.plan.slabs
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._owner.plan.slabs)
 
@@ -161,6 +165,12 @@ class SlabSet:
         self._closed = False
         self._error: str | None = None
         self._reset_counters()
+
+    def __repr__(self) -> str:
+        return (
+            f"SlabSet({len(self.plan.slabs)} slabs, {self.plan.nbytes} bytes on {self.device}, "
+            f"state={self._state!r})"
+        )
 
     # --- access ------------------------------------------------------------------------
 

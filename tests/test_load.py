@@ -421,3 +421,16 @@ async def test_staging_ring_backpressure() -> None:
     ring.release(a)
     assert ring.statistics().peak_in_use == 2 * 1024
     assert ring.statistics().in_use == 0
+
+
+async def test_slab_mapping_membership_does_not_need_completeness(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    async with SlabSet(p) as slabs:
+        name = next(iter(p.slabs))
+        assert name in slabs.slabs
+        assert "no such slab" not in slabs.slabs
+        assert list(slabs.slabs) == list(p.slabs)
+        assert "state='empty'" in repr(slabs)
