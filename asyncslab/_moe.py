@@ -182,6 +182,9 @@ class TieredMoE:
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
+        lacking = sorted({"prefix", "layer", "expert", "proj", "suffix"} - regex.groupindex.keys())
+        if lacking:
+            raise PlanError(f"TieredMoE pattern {self.pattern!r} lacks the named groups {lacking}")
         shard_of = {p: (f, i) for f, projs in self.fusion.items() for i, p in enumerate(projs)}
         by_layer: dict[int, list[_Expert]] = defaultdict(list)
         for name, info in pending.items():

@@ -305,6 +305,8 @@ def plan(
         rules = default_rules(tier_map=tier_map, rank=rank)
     elif tier_map is not None or rank is not None:
         raise PlanError("tier_map and rank configure the default rules; pass them to your rules")
+    if unmatched not in ("error", "ignore"):
+        raise PlanError(f"unmatched={unmatched!r}; expected 'error' or 'ignore'")
 
     patterns = [re.compile(p) for p in ignore]
     pending: dict[str, TensorInfo] = {}
