@@ -130,6 +130,7 @@ from ._rules import Stack as Stack
 from ._rules import default_rules as default_rules
 from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
 from ._synthetic import SyntheticSpec as SyntheticSpec
+from ._synthetic import spec_for_size as spec_for_size
 from ._synthetic import write_synthetic as write_synthetic
 
 __version__ = "0.1.0"
@@ -193,5 +194,6 @@ __all__ = [
     "load",
     "load_tier_map",
     "plan",
+    "spec_for_size",
     "write_synthetic",
 ]

@@ -57,6 +57,8 @@ class LoadOptions:
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
     reading straight into the slabs (slower; for comparison and for testing the ring).
+    ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
+    to leave storage bandwidth to a neighbour — or to watch a small load in slow motion.
     """
 
     io_workers: int = 4
@@ -68,6 +70,7 @@ class LoadOptions:
     read_timeout: float | None = 60.0
     progress_interval: float = 0.1
     cpu_staged: bool = False
+    max_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("io_workers", "read_size", "staging_bytes", "staging_buffers", "streams"):
@@ -75,6 +78,8 @@ class LoadOptions:
                 raise ValueError(f"LoadOptions.{name} must be positive")
         if self.coalesce_gap < 0:
             raise ValueError("LoadOptions.coalesce_gap must be >= 0")
+        if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
+            raise ValueError("LoadOptions.max_bytes_per_s must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +335,7 @@ class SlabSet:
         self._bytes_read = 0
         self._bytes_landed = 0
         self._reads = 0
+        self._bytes_paced = 0
         self._started = 0.0
         self._ended: float | None = None
         self._ring: StagingRing | None = None
@@ -365,6 +371,7 @@ class SlabSet:
         self._error = None
         self._reset_counters()
         self._started = time.perf_counter()
+        self._bytes_needed = sum(r.nbytes for r in plan.routes)
         self._tracker.reset()
 
     async def _run(
@@ -379,7 +386,6 @@ class SlabSet:
         staged = cuda or options.cpu_staged
         read_size = options.staging_bytes // options.staging_buffers if staged else options.read_size
         sched = schedule(plan, max_read=read_size, gap=options.coalesce_gap)
-        self._bytes_needed = sched.bytes_needed
         workers = options.staging_buffers if staged else options.io_workers
         pool = IoPool(workers)
         fds: dict[int, int] = {}
@@ -474,6 +480,13 @@ class SlabSet:
         for op in cursor:
             path = str(plan.files[op.file].path)
             fd = fds[op.file]
+            if options.max_bytes_per_s is not None:
+                # Each read starts no earlier than the rate allows for the bytes before it.
+                self._bytes_paced += op.nbytes
+                due = self._started + self._bytes_paced / options.max_bytes_per_s
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
             try:
                 async with asyncio.timeout(options.read_timeout):
                     if copier is None:

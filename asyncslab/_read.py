@@ -72,6 +72,11 @@ _Job = tuple[
 ]
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _set_done(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -128,7 +133,12 @@ class IoPool:
         pending = [f for f in list(self._inflight) if not f.cancel()]
         if not pending:
             return True
-        _, still = await asyncio.wait([asyncio.wrap_future(f) for f in pending], timeout=limit)
+        waiters = [asyncio.wrap_future(f) for f in pending]
+        for waiter in waiters:
+            # Their errors are consequences of the one the load reports; retrieve them so
+            # asyncio does not print "exception was never retrieved" at exit.
+            waiter.add_done_callback(_retrieve)
+        _, still = await asyncio.wait(waiters, timeout=limit)
         return not still
 
     async def close(self, wait: bool) -> None:

@@ -434,3 +434,22 @@ async def test_slab_mapping_membership_does_not_need_completeness(
         assert "no such slab" not in slabs.slabs
         assert list(slabs.slabs) == list(p.slabs)
         assert "state='empty'" in repr(slabs)
+
+
+async def test_paced_load_reports_progress_and_needed_bytes_at_once(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    seen: list[int] = []
+    async with SlabSet(p) as slabs:
+        rate = p.nbytes / 0.3  # about 0.3 s for the whole load
+        task = slabs.start(
+            ckpt,
+            options=LoadOptions(read_size=64 << 10, max_bytes_per_s=rate, progress_interval=0),
+            progress=lambda s: seen.append(s.bytes_landed),
+        )
+        assert slabs.statistics().bytes_needed == p.nbytes  # known before the task runs
+        await task
+    assert seen == sorted(seen)
+    assert len(seen) > 5 and seen[-1] == p.nbytes
