@@ -1,0 +1,430 @@
+"""A small inference server that loads its checkpoint in the background and answers at once.
+
+    python examples/server.py [--checkpoint PATH] [--size 256MiB] [--host 127.0.0.1]
+                              [--port 8000] [--max-mb-per-s R] [--loop uvloop|asyncio]
+
+Starlette under uvicorn (uvloop by default), as inference servers run. At startup the
+lifespan plans the checkpoint (headers only) and starts ``SlabSet(plan).start(...)`` as a
+background task on the server's own event loop, then the server accepts requests while the
+bytes land:
+
+* ``GET /health``  -- 503 with progress ``{state, bytes_done, bytes_total, units_complete,
+  units_total, gbps, eta_s, ...}`` while loading, 200 once ready, 500 with ``error`` if the
+  load failed. Never waits for the load.
+* ``GET|POST /forward?tokens=8&seed=0`` -- one forward pass of one MoE layer's block
+  (``examples/moe_block.py``), whose expert weights are zero-copy views of the slabs; it is
+  bound from ``on_unit_ready`` as soon as its layer's unit lands. Returns the output's shape,
+  sum and sha256 (``include_output=1`` adds the values). 503 until the load is complete.
+
+Without ``--checkpoint`` it generates a synthetic EXL3-like mixed-tier MoE checkpoint of
+``--size`` into a temporary directory (removed at exit unless ``--keep``). Ctrl-C / SIGTERM
+during the load cancels it cleanly: the lifespan shutdown awaits ``slabs.aclose()``, which
+waits for reads still inside I/O threads, closes every file and frees the slabs; the process
+then exits 0.
+
+``--max-mb-per-s R`` paces the load (``LoadOptions.max_bytes_per_s``) and reads 64 KiB at
+a time: it leaves storage bandwidth to neighbours, and makes a small checkpoint load slowly
+enough to watch its progress.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from moe_block import TieredMoEBlock, checksum, make_input
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan, write_synthetic
+from asyncslab._synthetic import spec_for_size
+
+MAX_TOKENS = 4096
+PACED_READ_SIZE = 64 << 10
+
+
+def log(message: str) -> None:
+    print(f"[server] {message}", flush=True)
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+class Service:
+    """The model's state, shared by the lifespan and the routes (all on the loop thread)."""
+
+    def __init__(
+        self,
+        checkpoint: Path,
+        *,
+        layer: int | None,
+        device: str,
+        options: LoadOptions,
+    ) -> None:
+        self.path = checkpoint
+        self.requested_layer = layer
+        self.device = device
+        self.options = options
+        self.slabs: SlabSet | None = None
+        self.block: TieredMoEBlock | None = None
+        self.task: asyncio.Task[SlabSet] | None = None
+        self.error: str | None = None  # a failure before the load could start
+
+    # --- lifespan ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        log(f"event loop: {type(loop).__module__}.{type(loop).__qualname__}")
+        slabs: SlabSet | None = None
+        try:
+            # Headers only, but a checkpoint of a million tensors takes a moment: off the loop.
+            checkpoint, p = await asyncio.to_thread(self._open_and_plan)
+            layer = self._choose_layer(p)
+            self.block = TieredMoEBlock.from_plan(p, layer)
+            slabs = SlabSet(p, self.device)
+            task = slabs.start(checkpoint, options=self.options, on_unit_ready=self._on_unit_ready)
+        except Exception as err:  # anything: /health reports it (500) instead of a crash
+            self.error = f"{type(err).__name__}: {err}"
+            log(f"cannot load {self.path}: {self.error}")
+            if slabs is not None:
+                await slabs.aclose()
+            return
+        self.slabs, self.task = slabs, task
+        task.add_done_callback(self._load_done)
+        groups = ", ".join(f"{g}: {n} experts" for g, n in self.block.partition.sizes().items())
+        log(
+            f"loading {mib(p.nbytes)} into {len(p.slabs)} slabs ({len(p.routes)} tensors, "
+            f"{len(p.units)} units) on {self.device}; serving layer {layer} ({groups})"
+        )
+
+    async def stop(self) -> None:
+        if self.slabs is None:
+            return
+        before = self.slabs.statistics()
+        await self.slabs.aclose()
+        if before.state == "loading":
+            log(
+                f"shutdown during the load: cancelled at {mib(before.bytes_landed)} of "
+                f"{mib(before.bytes_needed or before.bytes_total)}; slabs freed"
+            )
+        else:
+            log(f"shutdown: slabs freed (load was {before.state})")
+        # aclose() waited for every read; helper threads may take a moment to finish exiting.
+        for _ in range(100):  # up to 2 s
+            if not (left := _io_threads()):
+                break
+            await asyncio.sleep(0.02)
+        log(f"I/O threads left: {len(left)}" + (f" {left}" if left else ""))
+
+    def _open_and_plan(self) -> tuple[Checkpoint, Plan]:
+        checkpoint = Checkpoint.open(self.path)
+        tier_map = self.path / "tier_map.json" if self.path.is_dir() else None
+        if tier_map is not None and not tier_map.is_file():
+            tier_map = None
+        return checkpoint, plan(checkpoint, tier_map=tier_map)
+
+    def _choose_layer(self, p: Plan) -> int:
+        layers: list[int] = sorted(p.extras.get("partitions", {}))
+        if not layers:
+            raise ValueError("the checkpoint has no MoE layers to serve")
+        if self.requested_layer is None:
+            return layers[0]
+        if self.requested_layer not in layers:
+            raise ValueError(f"--layer {self.requested_layer} is not an MoE layer ({layers})")
+        return self.requested_layer
+
+    async def _on_unit_ready(self, unit: str, slabs: SlabSet) -> None:
+        # Runs inside the load's task group: an error here fails the load (and /health says so).
+        if self.block is not None and unit == self.block.unit:
+            self.block.bind(slabs)
+            log(f"{unit} landed; MoE block bound to its slabs (zero-copy)")
+
+    def _load_done(self, task: asyncio.Task[SlabSet]) -> None:
+        # Retrieves the task's exception, so asyncio never logs it as unretrieved.
+        if task.cancelled():
+            return
+        err = task.exception()
+        if err is not None:
+            log(f"load failed: {type(err).__name__}: {err}")
+            return
+        s = task.result().statistics()
+        log(
+            f"load complete: {mib(s.bytes_landed)} in {s.elapsed_s:.2f} s "
+            f"({s.gbps:.2f} GB/s, {s.reads} reads); ready"
+        )
+
+    # --- answers -----------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.slabs is not None
+            and self.slabs.state == "complete"
+            and self.block is not None
+            and self.block.bound
+        )
+
+    def progress(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health."""
+        if self.slabs is None:
+            state = "failed" if self.error else "starting"
+            body: dict[str, Any] = {
+                "state": state,
+                "ready": False,
+                "bytes_done": 0,
+                "bytes_total": 0,
+                "units_complete": 0,
+                "units_total": 0,
+                "gbps": 0.0,
+                "eta_s": None,
+                "elapsed_s": 0.0,
+                "error": self.error,
+            }
+            return (500 if self.error else 503), body
+        s = self.slabs.statistics()
+        body = {
+            "state": s.state,
+            "ready": self.ready,
+            "bytes_done": s.bytes_landed,
+            "bytes_total": s.bytes_needed or s.bytes_total,
+            "units_complete": s.units_complete,
+            "units_total": s.units,
+            "gbps": round(s.gbps, 4),
+            "eta_s": None if s.eta_s is None else round(s.eta_s, 3),
+            "elapsed_s": round(s.elapsed_s, 3),
+            "error": s.error,
+            "layer": self.block.layer if self.block is not None else None,
+            "layer_bound": bool(self.block is not None and self.block.bound),
+        }
+        status = 200 if self.ready else 500 if s.state == "failed" else 503
+        return status, body
+
+
+def _io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncslab-io")]
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _flag(value: Any) -> bool:
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+def build_app(service: Service) -> Starlette:
+    async def health(request: Request) -> JSONResponse:
+        status, body = service.progress()
+        return JSONResponse(body, status_code=status)
+
+    async def forward(request: Request) -> JSONResponse:
+        if not service.ready:
+            status, progress = service.progress()
+            refusal = {
+                "error": progress["error"] or "not ready: the checkpoint is still loading",
+                **{k: progress[k] for k in ("state", "bytes_done", "bytes_total")},
+            }
+            return JSONResponse(refusal, status_code=500 if status == 500 else 503)
+        params: dict[str, Any] = dict(request.query_params)
+        if request.method == "POST":
+            raw = await request.body()
+            if raw.strip():
+                try:
+                    doc = json.loads(raw)
+                except ValueError as err:
+                    return JSONResponse({"error": f"body is not JSON: {err}"}, status_code=400)
+                if not isinstance(doc, dict):
+                    return JSONResponse({"error": "body must be a JSON object"}, status_code=400)
+                params.update(doc)
+        try:
+            tokens = int(params.get("tokens", 8))
+            seed = int(params.get("seed", 0))
+        except (TypeError, ValueError):
+            return JSONResponse({"error": "tokens and seed must be integers"}, status_code=400)
+        if not 1 <= tokens <= MAX_TOKENS:
+            return JSONResponse({"error": f"tokens must be in 1..{MAX_TOKENS}"}, status_code=400)
+        block = service.block
+        assert block is not None
+        x = make_input(tokens, block.hidden, seed).to(service.device)
+        t0 = time.perf_counter()
+        # Compute off the loop thread, so /health keeps answering during a long forward.
+        y = (await asyncio.to_thread(block, x)).cpu()
+        ms = (time.perf_counter() - t0) * 1e3
+        body: dict[str, Any] = {
+            "layer": block.layer,
+            "tokens": tokens,
+            "seed": seed,
+            "shape": list(y.shape),
+            "dtype": str(y.dtype).removeprefix("torch."),
+            "sum": _finite(float(y.double().sum())),
+            "abs_sum": _finite(float(y.double().abs().sum())),
+            "sha256": checksum(y),
+            "ms": round(ms, 3),
+        }
+        if _flag(params.get("include_output", "0")):
+            body["output"] = [[_finite(v) for v in row] for row in y.tolist()]
+        return JSONResponse(body)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/forward", forward, methods=["GET", "POST"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+# --------------------------------------------------------------------------- command line
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256MiB, 8MiB, 1GiB)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError("size must be positive")
+    return n
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="safetensors file or directory to load "
+        "(default: generate a synthetic MoE checkpoint of --size)",
+    )
+    ap.add_argument(
+        "--size",
+        type=parse_size,
+        default=parse_size("256MiB"),
+        help="size of the generated checkpoint (default 256MiB)",
+    )
+    ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--layer", type=int, help="MoE layer to serve (default: the first)")
+    ap.add_argument(
+        "--device", default="cpu", help="cpu or cuda[:N] (default cpu; the tests exercise cpu only)"
+    )
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    ap.add_argument(
+        "--max-mb-per-s",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="pace the load to R MB/s in 64 KiB reads (0: as fast as possible)",
+    )
+    ap.add_argument("--log-level", default="info", help="uvicorn's log level")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    generated: Path | None = None
+    try:
+        if args.checkpoint is not None:
+            path = args.checkpoint
+            if not path.exists():
+                print(f"server: {path}: no such checkpoint", file=sys.stderr)
+                return 2
+        else:
+            generated = path = Path(tempfile.mkdtemp(prefix="asyncslab-server-"))
+            t0 = time.perf_counter()
+            written = write_synthetic(path, spec_for_size(args.size))
+            log(
+                f"generated a synthetic MoE checkpoint: {mib(written.total_bytes)}, "
+                f"{written.n_tensors} tensors, {len(written.files)} files in "
+                f"{time.perf_counter() - t0:.1f} s"
+            )
+        log(f"checkpoint: {path}")
+
+        options = LoadOptions()
+        if args.max_mb_per_s > 0:
+            rate = args.max_mb_per_s * 1e6
+            options = LoadOptions(read_size=PACED_READ_SIZE, max_bytes_per_s=rate)
+            log(f"reads paced to {args.max_mb_per_s:g} MB/s, {PACED_READ_SIZE >> 10} KiB at a time")
+
+        service = Service(path, layer=args.layer, device=args.device, options=options)
+        config = uvicorn.Config(
+            build_app(service),
+            host=args.host,
+            port=args.port,
+            loop=args.loop,
+            lifespan="on",
+            log_level=args.log_level,
+            access_log=False,
+        )
+        server = uvicorn.Server(config)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+        # handler it found; this one records it, so a signalled shutdown exits 0 without a
+        # KeyboardInterrupt traceback.
+        received: list[int] = []
+
+        def remember(signum: int, frame: object) -> None:
+            received.append(signum)
+
+        previous = {s: signal.signal(s, remember) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if not server.started:
+            print("server: did not start (see above)", file=sys.stderr)
+            return 1
+        if received:
+            log(f"stopped by {signal.Signals(received[0]).name}")
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C before the server was up (e.g. while generating)
+        print("\n[server] interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if generated is not None and not args.keep:
+            shutil.rmtree(generated, ignore_errors=True)
+        elif generated is not None:
+            log(f"kept {generated}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

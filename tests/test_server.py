@@ -1,0 +1,356 @@
+"""The example inference server (``examples/server.py``) as a real process on a real ASGI stack:
+``/health`` answers throughout a background load with monotonic progress, ``/forward``
+computes from slab views exactly what the old tensor-by-tensor way computes, and a signal
+during the load shuts down cleanly. Also, in-process: the example MoE block's weights are
+zero-copy views of the slabs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+import asyncslab  # noqa: E402
+from asyncslab import Checkpoint, SlabSet, plan, write_synthetic  # noqa: E402
+from asyncslab._synthetic import spec_for_size  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+import moe_block  # noqa: E402
+
+SIZE = 8 << 20
+# 64 KiB reads of an 8 MiB checkpoint: ~150 reads over 4 workers, so >1 s at 30 ms a read.
+RATE_MB_PER_S = 8  # an 8 MiB checkpoint loads in about a second
+UP_TIMEOUT = 20.0  # process start (torch import) until /health answers
+LOAD_TIMEOUT = 20.0
+EXIT_TIMEOUT = 10.0
+LATENCY_SANITY_S = 5.0  # catches an event loop blocked by the load, not a timing claim
+HEALTH_KEYS: dict[str, type | tuple[type, ...]] = {
+    "state": str,
+    "ready": bool,
+    "bytes_done": int,
+    "bytes_total": int,
+    "units_complete": int,
+    "units_total": int,
+    "gbps": (int, float),
+    "elapsed_s": (int, float),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+    """An ~8 MiB tiered MoE checkpoint, shared read-only by the tests of this module."""
+    return write_synthetic(tmp_path_factory.mktemp("served"), spec_for_size(SIZE))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``examples/server.py`` in a subprocess; output goes to files (a pipe nobody drains
+    could fill up and stall the server)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, out: Path, err: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.out_path = out
+        self.err_path = err
+
+    @property
+    def stdout(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def describe(self) -> str:
+        return f"--- server stdout ---\n{self.stdout}\n--- server stderr ---\n{self.stderr}"
+
+    def wait_exit(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"server did not exit within {timeout} s\n{self.describe()}")
+
+
+@contextmanager
+def run_server(
+    checkpoint: Path, tmp_path: Path, *, rate_mb_per_s: float = RATE_MB_PER_S, loop: str = "uvloop"
+) -> Iterator[Server]:
+    port = free_port()
+    out, err = tmp_path / f"server-{port}.out", tmp_path / f"server-{port}.err"
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "server.py"),
+        "--checkpoint",
+        str(checkpoint),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-mb-per-s",
+        str(rate_mb_per_s),
+        "--loop",
+        loop,
+    ]
+    with out.open("wb") as fout, err.open("wb") as ferr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fout, stderr=ferr)
+    server = Server(proc, f"http://127.0.0.1:{port}", out, err)
+    try:
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=EXIT_TIMEOUT)
+
+
+def check_health(status: int, body: Any) -> dict[str, Any]:
+    """One /health answer is well-formed and its status agrees with its state."""
+    assert isinstance(body, dict), body
+    for key, kind in HEALTH_KEYS.items():
+        assert isinstance(body.get(key), kind), (key, body)
+    assert body["eta_s"] is None or isinstance(body["eta_s"], (int, float)), body
+    assert 0 <= body["bytes_done"] <= body["bytes_total"], body
+    assert 0 <= body["units_complete"] <= body["units_total"], body
+    if status == 200:
+        assert body["state"] == "complete", body
+        assert body["ready"] is True, body
+        assert body["bytes_done"] == body["bytes_total"], body
+        assert body["units_complete"] == body["units_total"], body
+    elif status == 503:
+        assert body["state"] in ("starting", "loading"), body
+        assert body["ready"] is False, body
+    else:
+        assert status == 500, (status, body)
+        assert body["state"] == "failed", body
+        assert body["error"], body
+    return body
+
+
+def wait_up(client: httpx.Client, server: Server) -> tuple[int, dict[str, Any], float]:
+    """First /health answer, once the server listens (connection refused until then)."""
+    deadline = time.monotonic() + UP_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"server exited with {server.proc.returncode}\n{server.describe()}")
+        try:
+            t0 = time.perf_counter()
+            r = client.get("/health")
+            return r.status_code, check_health(r.status_code, r.json()), time.perf_counter() - t0
+        except httpx.TransportError:
+            time.sleep(0.05)
+    pytest.fail(f"server did not answer /health within {UP_TIMEOUT} s\n{server.describe()}")
+
+
+def wait_mid_load(client: httpx.Client, server: Server, fraction: float) -> dict[str, Any]:
+    """Poll until the load is under way but below ``fraction`` of its bytes."""
+    status, body, _ = wait_up(client, server)
+    deadline = time.monotonic() + LOAD_TIMEOUT
+    while time.monotonic() < deadline:
+        if status == 503 and 0 < body["bytes_done"] < fraction * body["bytes_total"]:
+            return body
+        assert status == 503, f"load got past {fraction:.0%} unobserved: {status} {body}"
+        time.sleep(0.01)
+        r = client.get("/health")
+        status, body = r.status_code, check_health(r.status_code, r.json())
+    pytest.fail(f"no progress within {LOAD_TIMEOUT} s\n{server.describe()}")
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_health_during_load_then_forward_matches_old_way(
+    checkpoint: asyncslab.SyntheticCheckpoint,
+    tmp_path: Path,
+    loop: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    p = plan(Checkpoint.open(checkpoint.root))
+    layer = min(p.extras["partitions"])
+    with (
+        run_server(checkpoint.root, tmp_path, loop=loop) as server,
+        httpx.Client(base_url=server.url, timeout=10.0) as client,
+    ):
+        status, body, latency = wait_up(client, server)
+        answers = [(status, body)]
+        worst = latency
+        forward_while_loading: httpx.Response | None = None
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        after_ready = 0
+        while after_ready < 3:  # a few more polls once ready: 200 must stay 200
+            assert time.monotonic() < deadline, (
+                f"not ready in {LOAD_TIMEOUT} s\n{server.describe()}"
+            )
+            time.sleep(0.02)
+            t0 = time.perf_counter()
+            r = client.get("/health")
+            worst = max(worst, time.perf_counter() - t0)
+            body = check_health(r.status_code, r.json())
+            answers.append((r.status_code, body))
+            after_ready += r.status_code == 200
+            # Early in the load (far from its end, so no race): /forward must refuse.
+            if (
+                forward_while_loading is None
+                and r.status_code == 503
+                and 0 < body["bytes_done"] < 0.5 * body["bytes_total"]
+            ):
+                forward_while_loading = client.post("/forward", json={"tokens": 4})
+
+        with capsys.disabled():
+            print(
+                f"\n[{loop}] /health: {len(answers)} answers, worst latency "
+                f"{worst * 1e3:.1f} ms during a {body['elapsed_s']:.2f} s load"
+            )
+        assert worst < LATENCY_SANITY_S, f"/health took {worst:.2f} s: event loop blocked?"
+
+        statuses = [s for s, _ in answers]
+        assert set(statuses) <= {200, 503}, statuses
+        first_ready = statuses.index(200)
+        assert all(s == 200 for s in statuses[first_ready:]), statuses
+        loading = [b for s, b in answers[:first_ready] if s == 503]
+        assert any(0 < b["bytes_done"] < b["bytes_total"] for b in loading), (
+            "no 503 with partial progress seen before 200"
+        )
+        done = [b["bytes_done"] for _, b in answers]
+        units = [b["units_complete"] for _, b in answers]
+        assert done == sorted(done), "bytes_done went backwards"
+        assert units == sorted(units), "units_complete went backwards"
+        assert {b["bytes_total"] for _, b in answers} == {p.nbytes}
+        assert {b["units_total"] for _, b in answers} == {len(p.units)}
+
+        assert forward_while_loading is not None, "never saw the load below 50%"
+        assert forward_while_loading.status_code == 503, forward_while_loading.text
+        assert forward_while_loading.json()["state"] == "loading"
+
+        r = client.post("/forward", json={"tokens": 16, "seed": 3, "include_output": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        again = client.get("/forward", params={"tokens": 16, "seed": 3})
+        assert again.status_code == 200, again.text
+        assert again.json()["sha256"] == got["sha256"]
+        assert client.get("/forward", params={"tokens": "x"}).status_code == 400
+
+        # The same block computed the old way, in this process, from the same files.
+        tensors = moe_block.read_layer_tensors(checkpoint.root, layer)
+        x = moe_block.make_input(16, tensors[f"model.layers.{layer}.mlp.gate.weight"].shape[1], 3)
+        expected = moe_block.reference_forward(x, tensors)
+        output = torch.tensor(got["output"], dtype=torch.float32)
+        assert got["layer"] == layer
+        assert got["shape"] == list(expected.shape)
+        assert torch.equal(output, expected), (output - expected).abs().max()
+        assert got["sha256"] == moe_block.checksum(expected)
+        assert got["sum"] == pytest.approx(float(expected.double().sum()), rel=1e-12)
+
+        server.proc.send_signal(signal.SIGINT)
+        assert server.wait_exit(EXIT_TIMEOUT) == 0, server.describe()
+        assert "Traceback" not in server.stdout + server.stderr, server.describe()
+        assert "load complete" in server.stdout
+
+
+@pytest.mark.parametrize(("sig", "loop"), [(signal.SIGINT, "uvloop"), (signal.SIGTERM, "asyncio")])
+def test_signal_during_load_cancels_cleanly(
+    checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path, sig: signal.Signals, loop: str
+) -> None:
+    with run_server(checkpoint.root, tmp_path, loop=loop) as server:
+        with httpx.Client(base_url=server.url, timeout=10.0) as client:
+            wait_mid_load(client, server, 0.5)
+        t0 = time.monotonic()
+        server.proc.send_signal(sig)
+        rc = server.wait_exit(EXIT_TIMEOUT)
+        took = time.monotonic() - t0
+    log = server.stdout + server.stderr
+    assert rc == 0, server.describe()
+    assert "Traceback" not in log, server.describe()
+    assert "shutdown during the load: cancelled" in server.stdout, server.describe()
+    assert "I/O threads left: 0" in server.stdout, server.describe()
+    assert f"stopped by {sig.name}" in server.stdout, server.describe()
+    assert "load complete" not in server.stdout, "the load finished before the signal"
+    print(f"{sig.name} during the load: exited 0 after {took:.2f} s")
+
+
+def test_failed_load_reports_500(tmp_path: Path) -> None:
+    written = write_synthetic(tmp_path / "ckpt", spec_for_size(SIZE))
+    last = written.files[-1]
+    with (
+        run_server(written.root, tmp_path) as server,
+        httpx.Client(base_url=server.url, timeout=10.0) as client,
+    ):
+        wait_mid_load(client, server, 0.3)
+        # Truncated after planning, before its tail is read: a short read breaks the load.
+        os.truncate(last, last.stat().st_size // 2)
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while True:
+            assert time.monotonic() < deadline, server.describe()
+            r = client.get("/health")
+            body = check_health(r.status_code, r.json())
+            if r.status_code != 503:
+                break
+            time.sleep(0.02)
+        assert r.status_code == 500, body
+        assert last.name in body["error"], body
+        forward = client.get("/forward")
+        assert forward.status_code == 500, forward.text
+        assert last.name in forward.json()["error"]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(EXIT_TIMEOUT) == 0, server.describe()
+    assert "load failed" in server.stdout
+    log = server.stdout + server.stderr
+    assert "never retrieved" not in log, server.describe()
+    assert "Traceback" not in log, server.describe()
+
+
+@pytest.mark.asyncio
+async def test_block_weights_are_slab_views(checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    """In-process: binding from on_unit_ready makes every parameter a view of its slab (same
+    memory), and the block's forward equals the old way's bit for bit."""
+    p = plan(Checkpoint.open(checkpoint.root), tier_map=checkpoint.tier_map_path)
+    blocks = {
+        layer: moe_block.TieredMoEBlock.from_plan(p, layer) for layer in p.extras["partitions"]
+    }
+    by_unit = {b.unit: b for b in blocks.values()}
+    bound_while_loading: list[str] = []
+
+    async def on_unit_ready(unit: str, slabs: SlabSet) -> None:
+        if unit in by_unit:
+            by_unit[unit].bind(slabs)
+            if slabs.state == "loading":
+                bound_while_loading.append(unit)
+
+    async with SlabSet(p) as slabs:
+        await slabs.start(Checkpoint.open(checkpoint.root), on_unit_ready=on_unit_ready)
+        # on_unit_ready runs inside the load (its task group awaits the callbacks): every
+        # block was bound while the load was still running, as a server binds.
+        assert set(bound_while_loading) == set(by_unit)
+        for block in blocks.values():
+            assert block.bound
+            for name, param in block.named_parameters():
+                slab = slabs.slab(block.slab_of[name])
+                assert param.data_ptr() == slab.data_ptr(), name
+                assert param.untyped_storage().data_ptr() == slab.untyped_storage().data_ptr()
+                assert param.shape == slab.shape
+                assert param.dtype == slab.dtype
+        # Forward of the first and last MoE layers (the server test covers one more).
+        for layer in (min(blocks), max(blocks)):
+            x = moe_block.make_input(24, blocks[layer].hidden, seed=layer)
+            expected = moe_block.reference_forward(
+                x, moe_block.read_layer_tensors(checkpoint.root, layer)
+            )
+            assert torch.equal(blocks[layer](x), expected), layer
