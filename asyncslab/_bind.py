@@ -33,10 +33,14 @@ def bind_module(
     """Point ``module``'s parameters and buffers at slab views, by name.
 
     ``mapping`` maps a parameter or buffer name (``"experts.w13_k3"``) to a slab name (the
-    whole slab, e.g. a tier's stacked expert weights) or ``(slab, slot)`` (one tensor). A
-    callable returns the target for a name or ``None`` for names it does not bind. With
-    ``strict``, every parameter must be bound (buffers may stay). Returns the bound views.
-    Slabs of incomplete units raise :class:`IncompleteLoadError` before anything changes.
+    whole slab, e.g. a tier's stacked expert weights) or ``(slab, slot)`` (one tensor; a
+    prefix of the slot dimensions gives a stacked view). A callable returns the target for
+    a name or ``None`` for names it does not bind. With ``strict``, every parameter must be
+    bound (buffers may stay). Returns the bound views.
+
+    All or nothing: an unknown name, slab or slot, a shape or dtype mismatch, or (strict) an
+    unbound parameter raises :class:`BindError` listing them, and slabs of incomplete units
+    raise :class:`IncompleteLoadError` — in every case before anything changes.
     """
     lookup: Callable[[str], Target | None] = (
         mapping if callable(mapping) else lambda name: mapping.get(name)
@@ -57,17 +61,23 @@ def bind_module(
             if name in params:
                 unbound.append(name)
             continue
-        slab_name, slot = (target, None) if isinstance(target, str) else target
+        resolved = _resolve(slabs, target)
+        if isinstance(resolved, str):
+            problems.append(f"{name}: {resolved}")
+            continue
+        slab_name, slot = resolved
+        # Basic indexing by a checked tuple of ints: always a view, never a copy.
         view = slabs.slab(slab_name) if slot is None else slabs.slot(slab_name, slot)
         if view.shape != current.shape or view.dtype != current.dtype:
+            where = slab_name if slot is None else f"{slab_name}{list(slot)}"
             problems.append(
                 f"{name}: module has {tuple(current.shape)} {current.dtype}, "
-                f"{slab_name}{'' if slot is None else list(slot)} is {tuple(view.shape)} {view.dtype}"
+                f"{where} is {tuple(view.shape)} {view.dtype}"
             )
             continue
         views[name] = view
     if problems:
-        raise BindError(f"{len(problems)} mismatched: " + "; ".join(problems[:10]))
+        raise BindError(f"{len(problems)} cannot be bound: " + "; ".join(problems[:10]))
     if strict and unbound:
         raise BindError(
             f"{len(unbound)} parameters left unbound: {unbound[:10]}; map them or pass strict=False"
@@ -81,3 +91,31 @@ def bind_module(
         else:
             owner._buffers[leaf] = view
     return views
+
+
+def _resolve(slabs: SlabSet, target: object) -> tuple[str, tuple[int, ...] | None] | str:
+    """``(slab, slot or None)`` for a well-formed target naming a slab of the plan and a slot
+    inside it, else what is wrong with it. A slot is a tuple of ints indexing the slab's
+    leading slot dimensions (a prefix of them gives a stacked view, e.g. one W13 shard of
+    every expert); a list is taken as a tuple, so it can never become an indexing copy."""
+    if isinstance(target, str):
+        slab_name, slot = target, None
+    elif (
+        isinstance(target, tuple)
+        and len(target) == 2
+        and isinstance(target[0], str)
+        and isinstance(target[1], (tuple, list))
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in target[1])
+    ):
+        slab_name, slot = target[0], tuple(target[1])
+    else:
+        return f"target {target!r} is neither a slab name nor (slab name, tuple of ints)"
+    spec = slabs.plan.slabs.get(slab_name)
+    if spec is None:
+        return f"no slab {slab_name!r} in the plan"
+    if slot is not None and (
+        len(slot) > len(spec.slot_dims)
+        or not all(0 <= i < n for i, n in zip(slot, spec.slot_dims, strict=False))
+    ):
+        return f"slot {list(slot)} is outside slab {slab_name!r} (slot dims {list(spec.slot_dims)})"
+    return slab_name, slot
