@@ -4,6 +4,7 @@ Plan before I/O (headers only, every tensor resolved to its slot and validated),
 pipelined async pass that writes every byte once into its final place.
 """
 
+from ._bind import Target as Target
 from ._bind import bind_module as bind_module
 from ._errors import (
     AsyncSlabError as AsyncSlabError,
@@ -119,6 +120,7 @@ from ._moe import TieredMoE as TieredMoE
 from ._moe import load_tier_map as load_tier_map
 from ._plan import Claim as Claim
 from ._plan import Location as Location
+from ._plan import make_route as make_route
 from ._plan import Plan as Plan
 from ._plan import Route as Route
 from ._plan import Rule as Rule
@@ -183,6 +185,7 @@ __all__ = [
     "Stack",
     "SyntheticCheckpoint",
     "SyntheticSpec",
+    "Target",
     "TensorInfo",
     "TierMapError",
     "TieredMoE",
@@ -193,6 +196,7 @@ __all__ = [
     "default_rules",
     "load",
     "load_tier_map",
+    "make_route",
     "plan",
     "spec_for_size",
     "write_synthetic",

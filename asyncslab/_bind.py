@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["bind_module", "Target"]
 
-#: A slab name, or ``(slab name, slot)`` for one slot of it.
-Target = str | tuple[str, tuple[int, ...]]
+#: A slab name, ``(slab name, slot)`` for one slot of it, or ``(slab name, slot, shape)``
+#: to see that slot (``()``: the whole slab) under another shape of the same elements.
+Target = str | tuple[str, tuple[int, ...]] | tuple[str, tuple[int, ...], tuple[int, ...]]
 
 
 def bind_module(
@@ -34,7 +35,9 @@ def bind_module(
 
     ``mapping`` maps a parameter or buffer name (``"experts.w13_k3"``) to a slab name (the
     whole slab, e.g. a tier's stacked expert weights) or ``(slab, slot)`` (one tensor; a
-    prefix of the slot dimensions gives a stacked view). A callable returns the target for
+    prefix of the slot dimensions gives a stacked view), or ``(slab, slot, shape)`` to
+    reshape that view — only ever with ``Tensor.view``, so a reshape that would need a copy
+    is a :class:`BindError`, never a silent copy. A callable returns the target for
     a name or ``None`` for names it does not bind. With ``strict``, every parameter must be
     bound (buffers may stay). Returns the bound views.
 
@@ -65,9 +68,15 @@ def bind_module(
         if isinstance(resolved, str):
             problems.append(f"{name}: {resolved}")
             continue
-        slab_name, slot = resolved
+        slab_name, slot, shape = resolved
         # Basic indexing by a checked tuple of ints: always a view, never a copy.
         view = slabs.slab(slab_name) if slot is None else slabs.slot(slab_name, slot)
+        if shape is not None:
+            try:
+                view = view.view(shape)
+            except RuntimeError as err:
+                problems.append(f"{name}: {slab_name} cannot be viewed as {list(shape)}: {err}")
+                continue
         if view.shape != current.shape or view.dtype != current.dtype:
             where = slab_name if slot is None else f"{slab_name}{list(slot)}"
             problems.append(
@@ -93,23 +102,30 @@ def bind_module(
     return views
 
 
-def _resolve(slabs: SlabSet, target: object) -> tuple[str, tuple[int, ...] | None] | str:
+def _resolve(
+    slabs: SlabSet, target: object
+) -> tuple[str, tuple[int, ...] | None, tuple[int, ...] | None] | str:
     """``(slab, slot or None)`` for a well-formed target naming a slab of the plan and a slot
     inside it, else what is wrong with it. A slot is a tuple of ints indexing the slab's
     leading slot dimensions (a prefix of them gives a stacked view, e.g. one W13 shard of
     every expert); a list is taken as a tuple, so it can never become an indexing copy."""
+    shape: tuple[int, ...] | None = None
     if isinstance(target, str):
         slab_name, slot = target, None
     elif (
         isinstance(target, tuple)
-        and len(target) == 2
+        and len(target) in (2, 3)
         and isinstance(target[0], str)
-        and isinstance(target[1], (tuple, list))
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in target[1])
+        and all(_ints(part) for part in target[1:])
     ):
         slab_name, slot = target[0], tuple(target[1])
+        if len(target) == 3:
+            shape = tuple(target[2])
     else:
-        return f"target {target!r} is neither a slab name nor (slab name, tuple of ints)"
+        return (
+            f"target {target!r} is not a slab name, (slab name, slot) or "
+            "(slab name, slot, shape) with tuples of ints"
+        )
     spec = slabs.plan.slabs.get(slab_name)
     if spec is None:
         return f"no slab {slab_name!r} in the plan"
@@ -117,5 +133,12 @@ def _resolve(slabs: SlabSet, target: object) -> tuple[str, tuple[int, ...] | Non
         len(slot) > len(spec.slot_dims)
         or not all(0 <= i < n for i, n in zip(slot, spec.slot_dims, strict=False))
     ):
-        return f"slot {list(slot)} is outside slab {slab_name!r} (slot dims {list(spec.slot_dims)})"
-    return slab_name, slot
+        dims = list(spec.slot_dims)
+        return f"slot {list(slot)} is outside slab {slab_name!r} (slot dims {dims})"
+    return slab_name, slot, shape
+
+
+def _ints(part: object) -> bool:
+    return isinstance(part, (tuple, list)) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in part
+    )

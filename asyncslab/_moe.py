@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -159,6 +159,9 @@ class TieredMoE:
     With ``rank`` set, a rank-sliced checkpoint routes only that rank's slices. With
     ``owns`` set (expert parallelism), only experts for which ``owns(layer, expert)`` holds
     are planned; the others are skipped, never read, and the partition covers the owned ones.
+    ``layout="expert_major"`` lays fused projections out ``backing[group_offset,
+    shard_index]`` instead — the byte layout of transformers' fused ``gate_up_proj``
+    ``(E, 2I, H)`` — for engines whose kernels expect that.
     """
 
     pattern: str = EXL3_EXPERT_PATTERN
@@ -179,6 +182,7 @@ class TieredMoE:
     n_experts: int | None = None
     unit_of: Callable[[int], str] = _layer_unit
     owns: Callable[[int, int], bool] | None = None
+    layout: Literal["shard_major", "expert_major"] = "shard_major"
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -391,7 +395,13 @@ class TieredMoE:
             group, offset = partition.locate(t.expert)
             fused = next(f for f, projs in self.fusion.items() if t.proj in projs)
             shards = self.fusion[fused]
-            slot = (shards.index(t.proj), offset) if len(shards) > 1 else (offset,)
+            shard = shards.index(t.proj)
+            if len(shards) == 1:
+                slot: tuple[int, ...] = (offset,)
+            elif self.layout == "expert_major":
+                slot = (offset, shard)
+            else:
+                slot = (shard, offset)
             placed[(group, fused, t.suffix)].append((slot, t))
             present.add((t.expert, t.proj, t.suffix))
         missing = [
@@ -414,7 +424,12 @@ class TieredMoE:
             for fused, shards in self.fusion.items():
                 for suffix, dtype in self.schema.items():
                     entries = placed[(group, fused, suffix)]
-                    slot_dims = (len(shards), len(members)) if len(shards) > 1 else (len(members),)
+                    if len(shards) == 1:
+                        slot_dims: tuple[int, ...] = (len(members),)
+                    elif self.layout == "expert_major":
+                        slot_dims = (len(members), len(shards))
+                    else:
+                        slot_dims = (len(shards), len(members))
                     spec = SlabSpec(
                         name=f"{prefix}.{group}.{fused}.{suffix}",
                         unit=self.unit_of(layer),
@@ -432,7 +447,13 @@ class TieredMoE:
                     slabs.append(spec)
                     routes.extend(
                         make_route(
-                            t.info, spec, slot, layer=layer, expert=t.expert, shard=t.proj, suffix=suffix
+                            t.info,
+                            spec,
+                            slot,
+                            layer=layer,
+                            expert=t.expert,
+                            shard=t.proj,
+                            suffix=suffix,
                         )
                         for slot, t in entries
                     )

@@ -42,6 +42,7 @@ __all__ = [
     "Rule",
     "Claim",
     "plan",
+    "make_route",
     "unit_of_layer",
 ]
 

@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -37,10 +36,12 @@ from asyncslab import (
     SlabSet,
     SlabSpec,
     Stack,
+    Target,
     TensorInfo,
     TieredMoE,
     bind_module,
     load,
+    make_route,
     plan,
 )
 
@@ -263,10 +264,9 @@ async def test_mixtral_tiered_moe_plan_gives_from_pretrained_logits(
 ) -> None:
     """TieredMoE configured for Mixtral's names: one group ``all`` per layer, W13 = (w1, w3).
 
-    Its layout is shard-major, ``(2, E, I, H)``; transformers' ``gate_up_proj`` is
-    expert-major ``(E, 2I, H)``, which no view of a shard-major slab can be. So everything
-    but ``gate_up_proj`` binds zero-copy, and ``gate_up_proj`` is filled by a copy — the
-    layout gap, pinned here so that a layout option in TieredMoE shows up as a change.
+    transformers holds ``gate_up_proj`` expert-major, ``(E, 2I, H)``; with
+    ``layout="expert_major"`` the W13 slab is ``(E, 2, I, H)`` — the same bytes — and binds
+    as a reshaped view. Every parameter is then a slab view; nothing is copied.
     """
     checkpoint = Checkpoint.open(mixtral.root)
     rule = TieredMoE(
@@ -275,41 +275,38 @@ async def test_mixtral_tiered_moe_plan_gives_from_pretrained_logits(
         schema={"weight": torch.float32},
         markers={},
         tier_suffix=None,
+        layout="expert_major",
     )
     p = plan(checkpoint, [rule, Dense()])
     for layer in range(N_LAYERS):
-        assert p.slabs[tiered_slab(layer, "gate_up_proj")].shape == (2, EXPERTS, INTER, HIDDEN)
+        assert p.slabs[tiered_slab(layer, "gate_up_proj")].shape == (EXPERTS, 2, INTER, HIDDEN)
         assert p.slabs[tiered_slab(layer, "down_proj")].shape == (EXPERTS, HIDDEN, INTER)
         assert p.extras["partitions"][layer].groups == {"all": tuple(range(EXPERTS))}
     slabs = await load(checkpoint, p)
     try:
         assert assert_bit_identical(slabs, checkpoint) == len(checkpoint.tensors)
 
-        def target(name: str) -> str | None:
+        fused_shape = (EXPERTS, 2 * INTER, HIDDEN)
+
+        def target(name: str) -> Target | None:
             if name in p.slabs:
                 return name
             if m := _FUSED.fullmatch(name):
                 layer, fused = m.groups()
                 if fused == "gate_up_proj":
-                    return None  # no zero-copy view exists
+                    return (tiered_slab(int(layer), fused), (), fused_shape)
                 return tiered_slab(int(layer), fused)
             if m := _ROUTER.fullmatch(name):
                 return f"model.layers.{m.group(1)}.block_sparse_moe.gate.weight"
             return None
 
         model = new_model(mixtral)
-        views = bind_module(model, slabs, target, strict=False)
+        views = bind_module(model, slabs, target)  # strict: every parameter bound
         params = dict(model.named_parameters())
-        unbound = sorted(params.keys() - views.keys())
-        assert unbound == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(N_LAYERS)]
+        assert views.keys() >= params.keys()
         for name, param in params.items():
-            if name not in unbound:
-                assert storage_owner(param, slabs) is not None, f"{name} is not a slab view"
-        with torch.no_grad():
-            for name in unbound:
-                layer = int(name.split(".")[2])
-                slab = slabs.slab(tiered_slab(layer, "gate_up_proj"))
-                params[name].copy_(slab.permute(1, 0, 2, 3).reshape(params[name].shape))
+            assert storage_owner(param, slabs) is not None, f"{name} is not a slab view"
+            assert param.data_ptr() == views[name].data_ptr()
 
         with torch.no_grad():
             logits = model(mixtral.ids).logits
@@ -353,21 +350,8 @@ class ExpertMajor:
             slabs.append(spec)
             for (expert, shard), info in items.items():
                 slot = (expert, shard) if n_shards > 1 else (expert,)
-                routes.append(
-                    Route(
-                        tensor=info.name,
-                        file=info.file,
-                        src_offset=info.offset,
-                        nbytes=info.nbytes,
-                        slab=spec.name,
-                        slot=slot,
-                        dst_offset=spec.slot_offset(slot),
-                        unit=spec.unit,
-                        layer=layer,
-                        expert=expert,
-                        shard=self.fusion[fused][shard],
-                    )
-                )
+                proj = self.fusion[fused][shard]
+                routes.append(make_route(info, spec, slot, layer=layer, expert=expert, shard=proj))
         return Claim(slabs=tuple(slabs), routes=tuple(routes))
 
 
@@ -375,10 +359,9 @@ class ExpertMajor:
 async def test_mixtral_expert_major_rule_binds_every_parameter_zero_copy(
     mixtral: SimpleNamespace,
 ) -> None:
-    """With an expert-major layout every Mixtral parameter is a slab view. bind_module binds
-    all but ``gate_up_proj``: its slab is ``(E, 2, I, H)`` and the parameter ``(E, 2I, H)``
-    (same bytes, other shape), and bind_module only binds exact shapes, so the test makes
-    that one view itself."""
+    """A rule of one's own through the public :class:`asyncslab.Rule` protocol: with an
+    expert-major layout every Mixtral parameter is a slab view; ``gate_up_proj``'s slab is
+    ``(E, 2, I, H)`` and binds under the parameter's ``(E, 2I, H)`` as a reshaped view."""
     checkpoint = Checkpoint.open(mixtral.root)
     rule = ExpertMajor(EXPERT_PATTERN, FUSION, lambda i, f: f"model.layers.{i}.mlp.experts.{f}")
     p = plan(checkpoint, [rule, Dense()])  # validated like any plan: dtypes, shapes, coverage
@@ -388,22 +371,15 @@ async def test_mixtral_expert_major_rule_binds_every_parameter_zero_copy(
     try:
         assert assert_bit_identical(slabs, checkpoint) == len(checkpoint.tensors)
 
-        def target(name: str) -> str | None:
+        def target(name: str) -> Target | None:
             if m := _ROUTER.fullmatch(name):
                 return f"model.layers.{m.group(1)}.block_sparse_moe.gate.weight"
             if name.endswith(".gate_up_proj"):
-                return None
+                return (name, (), (EXPERTS, 2 * INTER, HIDDEN))
             return name if name in p.slabs else None
 
         model = new_model(mixtral)
-        views = bind_module(model, slabs, target, strict=False)
-        unbound = sorted(n for n, _ in model.named_parameters() if n not in views)
-        assert unbound == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(N_LAYERS)]
-        for layer in range(N_LAYERS):
-            experts: Any = model.model.layers[layer].mlp.experts
-            slab = slabs.slab(f"model.layers.{layer}.mlp.experts.gate_up_proj")
-            fused = slab.view(experts.gate_up_proj.shape)  # a view: raises if it would copy
-            experts.gate_up_proj = torch.nn.Parameter(fused, requires_grad=False)
+        views = bind_module(model, slabs, target)
         for name, param in model.named_parameters():
             owner = storage_owner(param, slabs)
             assert owner is not None, f"{name} is not a slab view"
