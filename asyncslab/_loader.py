@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -168,6 +168,8 @@ class SlabSet:
         self._task: asyncio.Task[SlabSet] | None = None
         self._broken: str | None = None
         self._closed = False
+        self._closing = False
+        self._generation = 0
         self._error: str | None = None
         self._reset_counters()
 
@@ -201,8 +203,19 @@ class SlabSet:
         return self._tensors[name]
 
     def slot(self, name: str, slot: tuple[int, ...]) -> torch.Tensor:
-        """A view of one slot of slab ``name``."""
-        return self.slab(name)[slot]
+        """A view of one slot of slab ``name`` (a prefix of the slot dimensions gives a
+        stacked view). Only in-range integer slots: anything else could index a copy."""
+        slab = self.slab(name)
+        dims = self.plan.slabs[name].slot_dims
+        if (
+            not isinstance(slot, tuple)
+            or len(slot) > len(dims)
+            or not all(
+                type(i) is int and 0 <= i < n for i, n in zip(slot, dims, strict=False)
+            )
+        ):
+            raise IndexError(f"slot {slot!r} is outside slab {name!r} (slot dims {list(dims)})")
+        return slab[slot]
 
     def view(self, tensor: str) -> torch.Tensor:
         """The view a checkpoint tensor landed in (its shape and dtype)."""
@@ -274,11 +287,9 @@ class SlabSet:
         """Begin a load in the background and return its task (owned by this SlabSet:
         :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
         self._begin(checkpoint, plan)
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress),
-            name="asyncslab-load",
+        return self._spawn(
+            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
         )
-        return self._task
 
     async def load(
         self,
@@ -293,13 +304,25 @@ class SlabSet:
         complete. ``plan`` (default: the one the slabs were made for) may be another
         checkpoint's plan with the same slab layout."""
         self._begin(checkpoint, plan)
-        return await self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
+        # A task of its own, so that aclose() can cancel this load and wait for its drain
+        # (freeing the slabs under running reads would be a use-after-free).
+        task = self._spawn(
+            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
+        )
+        try:
+            return await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._closing and task.cancelled() and not (current and current.cancelling()):
+                raise ClosedError("the SlabSet was closed while this load ran") from None
+            raise
 
     async def aclose(self) -> None:
         """Cancel a running load, wait for it to release everything, free the slabs.
         Idempotent."""
         if self._closed:
             return
+        self._closing = True
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -346,6 +369,21 @@ class SlabSet:
         if self._closed:
             raise ClosedError("this SlabSet was closed; its slabs are freed")
 
+    def _spawn(self, run: Coroutine[object, object, SlabSet]) -> asyncio.Task[SlabSet]:
+        task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
+        self._task = task
+        generation = self._generation
+
+        def settle(task: asyncio.Task[SlabSet]) -> None:
+            # Cancelled before its first step, the task never ran _run's cleanup: end the
+            # load here, or the SlabSet would stay "loading" (refusing every later load)
+            # and ready() would wait forever.
+            if task.cancelled() and self._generation == generation and self._state == "loading":
+                self._finish("cancelled", asyncio.CancelledError())
+
+        task.add_done_callback(settle)
+        return task
+
     def _begin(self, checkpoint: Checkpoint, plan: Plan | None) -> None:
         self._check_open()
         if self._broken is not None:
@@ -367,6 +405,7 @@ class SlabSet:
             )
         if plan is not self._run_plan:
             self._adopt(plan)
+        self._generation += 1
         self._state = "loading"
         self._error = None
         self._reset_counters()
@@ -438,13 +477,18 @@ class SlabSet:
         finally:
             drained = await _uncancellable(pool.drain(options.read_timeout))
             await _uncancellable(pool.close(wait=drained))
-            for fd in fds.values():
-                os.close(fd)
-            if self._ring is not None:
-                self._staging_peak = self._ring.statistics().peak_in_use
-                self._ring.close()
-                self._ring = None
-            if not drained:
+            ring, self._ring = self._ring, None
+            if ring is not None:
+                self._staging_peak = ring.statistics().peak_in_use
+            if drained:
+                _release(list(fds.values()), ring)
+            else:
+                # A read stuck in a thread still reads its fd and writes into these slabs
+                # (or a staging buffer) when it wakes: closing the fd now would let an
+                # unrelated open reuse its number, and aclose() would free the memory under
+                # it. Keep both until the last such read returns.
+                keep = list(self._tensors.values())
+                pool.when_idle(lambda: _release(list(fds.values()), ring, keep))
                 self._broken = (
                     "a read thread did not return within read_timeout and may still write "
                     "into them; allocate a new SlabSet"
@@ -593,9 +637,19 @@ async def _uncancellable(awaitable: Awaitable[T]) -> T:
     return result
 
 
+def _release(fds: Sequence[int], ring: StagingRing | None, *keep: object) -> None:
+    """Close a load's fds and drop its staging ring (``keep``: kept alive until now)."""
+    for fd in fds:
+        os.close(fd)
+    if ring is not None:
+        ring.close()
+
+
 def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO put in the file's place after planning would otherwise block
+        # this open, on the event-loop thread, until a writer comes.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         raise ReadError(f"cannot open: {err.strerror or err}", file=path) from err
     st = os.fstat(fd)
@@ -605,6 +659,7 @@ def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) 
         raise FileChangedError(
             f"file changed since it was planned ({what}); open and plan it again", file=path
         )
+    os.set_blocking(fd, True)  # the planned regular file: reads block as usual
     return fd
 
 

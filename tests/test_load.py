@@ -453,3 +453,17 @@ async def test_paced_load_reports_progress_and_needed_bytes_at_once(
         await task
     assert seen == sorted(seen)
     assert len(seen) > 5 and seen[-1] == p.nbytes
+
+
+async def test_slot_refuses_what_is_not_an_in_range_slot(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    slabs = await load(ckpt, p)
+    name = next(n for n, s in p.slabs.items() if s.labels.get("projection") == "w13")
+    dims = p.slabs[name].slot_dims
+    assert slabs.slot(name, (1,)).shape == (dims[1], *p.slabs[name].item_shape)
+    for bad in [(2, 0), (0, -1), [0, 0], (0, 0, 0), (True, 0)]:
+        with pytest.raises(IndexError, match="outside slab"):
+            slabs.slot(name, bad)  # type: ignore[arg-type]
