@@ -73,11 +73,7 @@ class CpuCopier:
         route_slab: Sequence[int],
         stream_index: int,
     ) -> None:
-        for piece in op.pieces:
-            dst = slab_bytes[route_slab[piece.route]]
-            dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
-                buffer[piece.read_offset : piece.read_offset + piece.nbytes]
-            )
+        _copy_pieces(op, buffer, slab_bytes, route_slab, non_blocking=False)
 
 
 class CudaCopier:
@@ -105,12 +101,24 @@ class CudaCopier:
         """
         stream = self.streams[stream_index % len(self.streams)]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            for piece in op.pieces:
-                dst = slab_bytes[route_slab[piece.route]]
-                dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
-                    buffer[piece.read_offset : piece.read_offset + piece.nbytes],
-                    non_blocking=True,
-                )
+            _copy_pieces(op, buffer, slab_bytes, route_slab, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         event.synchronize()
+
+
+def _copy_pieces(
+    op: ReadOp,
+    buffer: torch.Tensor,
+    slab_bytes: Sequence[torch.Tensor],
+    route_slab: Sequence[int],
+    *,
+    non_blocking: bool,
+) -> None:
+    # uint8 on both sides: bytes are copied as bytes, no dtype conversion can happen.
+    for piece in op.pieces:
+        dst = slab_bytes[route_slab[piece.route]]
+        dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
+            buffer[piece.read_offset : piece.read_offset + piece.nbytes],
+            non_blocking=non_blocking,
+        )
