@@ -97,7 +97,8 @@ class Route:
 
     ``layer``, ``expert``, ``shard`` and ``suffix`` are there for messages; an error about
     a route names all that are known. ``shape`` is set when the route carries a slice of its
-    tensor (rows of a row-major tensor are one contiguous byte range).
+    tensor (rows of a row-major tensor are one contiguous byte range), which starts
+    ``slice_start`` bytes into the tensor.
     """
 
     tensor: str
@@ -113,6 +114,7 @@ class Route:
     shard: str | None = None
     suffix: str | None = None
     shape: tuple[int, ...] | None = None
+    slice_start: int = 0
 
     def describe(self) -> str:
         parts = []
@@ -171,6 +173,7 @@ def make_route(
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
         offset, nbytes = info.offset + start * row_bytes, (stop - start) * row_bytes
         shape = (stop - start, *info.shape[1:])
+        context["slice_start"] = start * row_bytes
     return Route(
         tensor=info.name,
         file=info.file,
@@ -250,7 +253,9 @@ class Plan:
         h = hashlib.sha256(self.layout_fingerprint.encode())
         # By tensor name, so that resharding the same tensors keeps the fingerprint.
         for r in sorted(self.routes, key=lambda r: r.tensor):
-            h.update(f"{r.tensor}|{r.slab}|{r.slot}|{r.nbytes};".encode())
+            # A slice's position in its tensor tells the ranks' row slices apart.
+            part = "" if r.shape is None else f"|{r.slice_start}"
+            h.update(f"{r.tensor}|{r.slab}|{r.slot}|{r.nbytes}{part};".encode())
         return h.hexdigest()[:16]
 
     def summary(self) -> dict[str, Any]:

@@ -73,3 +73,10 @@ def test_row_slice_rejects_uneven_split(tmp_path: Path) -> None:
     ckpt = Checkpoint.open(tmp_path / "m.safetensors")
     with pytest.raises(asyncslab.PlanError, match=r"cannot split shape \[5, 2\]"):
         plan(ckpt, [RowSlice("w", rank=0, world=2)])
+
+
+def test_row_slices_of_different_ranks_have_different_fingerprints(tmp_path: Path) -> None:
+    save_file({"w": torch.zeros(4, 2)}, tmp_path / "m.safetensors")
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    prints = {plan(ckpt, [RowSlice("w", rank=r, world=2)]).fingerprint for r in (0, 1)}
+    assert len(prints) == 2

@@ -1,0 +1,1148 @@
+"""Loading one checkpoint on every rank of a ``torch.distributed`` process group.
+
+Public as :mod:`asyncslab.distributed`. Nothing here coordinates on its own: the process
+group (started by ``torchrun`` or ``torch.multiprocessing``; NCCL on GPUs, gloo on CPU) is the
+only channel between ranks, and every exchange is an ordinary collective.
+
+* :func:`rank_plan` builds this rank's plan from the group's rank and size: the whole
+  checkpoint (``replicated``), this rank's slices of a pre-sliced checkpoint
+  (``pre-sliced``), this rank's rows of whole projection weights (``rows``), this rank's
+  experts (``experts``), or rows and experts together (``rows+experts``).
+* :func:`load` loads each rank's plan, then agrees across ranks: either every rank has its
+  slabs complete, or every rank raises :class:`DistributedLoadError` naming the rank that
+  failed and its error — a failure on one rank never leaves the others waiting.
+* ``share_reads=True`` reads every needed byte range from storage exactly once in the whole
+  group: a range one rank needs is read by that rank; a range several ranks need is read by
+  one of them and broadcast over the group, chunk by chunk through (at most) two staging
+  buffers per rank.
+
+Collectives block, so they run on one thread per load (``asyncslab-dist``), never on the
+event loop, in the same order on every rank. A rank that dies makes the others' next
+collective fail at once (gloo: "Connection closed by peer"); a rank that hangs makes them
+fail after the process group's timeout (``init_process_group(timeout=...)``). Either way
+:func:`load` raises :class:`DistributedLoadError`, and the process group must not be used
+again (destroy it, or exit).
+
+This module drives a :class:`~asyncslab.SlabSet` through the package-internal parts of its
+load (``_begin``, ``_finish``, ``_tracker``, ``_bytes``, ``_route_slab`` and the statistics
+counters) so that a shared load fills, gates and reports exactly like a local
+one.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import bisect
+import concurrent.futures
+import hashlib
+import os
+import re
+import resource
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError
+from ._format import Checkpoint, TensorInfo
+from ._loader import LoadOptions, SlabSet, _open_checked
+from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
+from ._plan import Claim, Plan, Rule, plan
+from ._read import byte_view, preadv_exact
+from ._rules import Dense, RowSlice
+
+__all__ = [
+    "DEFAULT_ROWS",
+    "MODES",
+    "DistributedLoad",
+    "DistributedLoadError",
+    "Mode",
+    "RankReport",
+    "RoundRobinExperts",
+    "load",
+    "rank_plan",
+]
+
+Mode = Literal["replicated", "pre-sliced", "rows", "experts", "rows+experts"]
+MODES: tuple[str, ...] = ("replicated", "pre-sliced", "rows", "experts", "rows+experts")
+
+#: Tensors ``rows`` mode slices by rows: the linear projections and the embeddings.
+DEFAULT_ROWS = r".*(?:_proj|embed_tokens|lm_head)\.weight"
+
+
+class DistributedLoadError(LoadError):
+    """A distributed load failed; raised on every rank alike.
+
+    ``details["ranks"]`` lists the ranks (of the group) that failed, ``details["errors"]``
+    maps each to its error text, ``details["rank"]`` is the rank that raised. On the rank
+    whose own load broke, ``__cause__`` is the original error. When the cause is a lost
+    rank or a timeout, the process group is unusable afterwards.
+    """
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.details.get("ranks", ()))
+
+    @property
+    def errors(self) -> Mapping[int, str]:
+        return dict(self.details.get("errors", {}))
+
+
+# --- plans -------------------------------------------------------------------------------
+
+
+def _group_rank_world(group: Any, rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is not None and world is not None:
+        return rank, world
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PlanError(
+            "torch.distributed is not initialized; call init_process_group first, or pass "
+            "rank= and world="
+        )
+    got_rank = dist.get_rank(group) if rank is None else rank
+    got_world = dist.get_world_size(group) if world is None else world
+    if got_rank < 0:
+        raise PlanError("this process is not a member of the given process group")
+    return got_rank, got_world
+
+
+@dataclass(frozen=True, slots=True)
+class RoundRobinExperts:
+    """Expert parallelism's default ownership: rank ``r`` of ``world`` owns experts
+    ``e`` with ``e % world == r`` in every layer."""
+
+    rank: int
+    world: int
+
+    def __call__(self, layer: int, expert: int) -> bool:
+        return expert % self.world == self.rank
+
+
+@dataclass(frozen=True, slots=True)
+class _RankTag:
+    """Claims nothing; records in ``plan.extras["distributed"]`` what the plan was made
+    for, so that :func:`load` can check every rank planned its own part of one mode."""
+
+    mode: str
+    rank: int
+    world: int
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        # A plain dict: plan summaries are JSON-ready.
+        return Claim(
+            extras={"distributed": {"mode": self.mode, "rank": self.rank, "world": self.world}}
+        )
+
+
+def _slice_count(checkpoint: Checkpoint, pattern: str) -> int | None:
+    regex = re.compile(pattern)
+    ranks = set()
+    for name in checkpoint.tensors:
+        m = regex.fullmatch(name)
+        if m is not None and m.groupdict().get("rank") is not None:
+            ranks.add(int(m.group("rank")))
+    return max(ranks) + 1 if ranks else None
+
+
+def rank_plan(
+    checkpoint: Checkpoint,
+    *,
+    mode: Mode,
+    group: Any = None,
+    rank: int | None = None,
+    world: int | None = None,
+    rows: str = DEFAULT_ROWS,
+    owns: Callable[[int, int], bool] | None = None,
+    tier_map: Mapping[int, Mapping[int, int]] | str | Path | None = None,
+    ignore: Iterable[str] = (),
+    unmatched: Literal["error", "ignore"] = "error",
+) -> Plan:
+    """This rank's plan of ``checkpoint``; rank and size come from ``group`` (default: the
+    default process group) unless ``rank=`` and ``world=`` are given.
+
+    ``mode``:
+
+    * ``"replicated"``: the whole checkpoint on every rank (data parallel replicas).
+    * ``"pre-sliced"``: a checkpoint whose expert tensors are sliced per rank
+      (``...<proj>.rank<r>.<suffix>``) into exactly ``world`` slices: this rank's slices,
+      plus every unsliced tensor.
+    * ``"rows"``: rows ``[r*n/world, (r+1)*n/world)`` of every tensor matching ``rows``
+      (default :data:`DEFAULT_ROWS`; the first dimension must divide by ``world``), the
+      rest whole.
+    * ``"experts"``: the experts ``owns(layer, expert)`` accepts (default
+      :class:`RoundRobinExperts`), the rest whole.
+    * ``"rows+experts"``: both.
+
+    The plan records ``{"mode", "rank", "world"}`` in ``plan.extras["distributed"]``.
+    """
+    if mode not in MODES:
+        raise PlanError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+    r, w = _group_rank_world(group, rank, world)
+    if not 0 <= r < w:
+        raise PlanError(f"rank {r} is outside world size {w}")
+    declared = load_tier_map(tier_map) if tier_map is not None else None
+    slices = _slice_count(checkpoint, EXL3_EXPERT_PATTERN)
+    if mode == "pre-sliced":
+        if slices is None:
+            raise PlanError(
+                "mode 'pre-sliced' needs a checkpoint sliced per rank "
+                "('...<proj>.rank<r>.<suffix>'); this one has whole expert tensors"
+            )
+        if slices != w:
+            raise PlanError(
+                f"checkpoint is sliced for {slices} ranks, but the process group has {w}"
+            )
+    elif slices is not None:
+        raise PlanError(f"checkpoint is sliced for {slices} ranks; load it with mode='pre-sliced'")
+    rules: list[Rule] = [_RankTag(mode, r, w)]
+    if mode in ("rows", "rows+experts"):
+        rules.append(RowSlice(rows, rank=r, world=w))
+    expert_owns = None
+    if mode in ("experts", "rows+experts"):
+        expert_owns = owns if owns is not None else RoundRobinExperts(r, w)
+    elif owns is not None:
+        raise PlanError(f"owns= applies to modes 'experts' and 'rows+experts', not {mode!r}")
+    rules.append(
+        TieredMoE(
+            tier_map=declared,
+            rank=r if mode == "pre-sliced" else None,
+            owns=expert_owns,
+        )
+    )
+    rules.append(Dense())
+    return plan(checkpoint, rules, ignore=ignore, unmatched=unmatched)
+
+
+# --- the global chunk list (pure) --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """``nbytes`` at ``offset`` of file ``file``, at ``at`` in the chunk's buffer."""
+
+    file: int
+    offset: int
+    nbytes: int
+    at: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """Read by ``owner``; broadcast when ``shared`` (several ranks need bytes of it), else
+    only its owner needs it and nothing crosses the group."""
+
+    owner: int
+    shared: bool
+    needers: tuple[int, ...]
+    nbytes: int
+    segments: tuple[_Segment, ...]
+
+
+def _needed_ranges(plan: Plan) -> list[tuple[int, int, int]]:
+    """This plan's byte ranges ``(file index, start, end)``, touching ones merged."""
+    index = {f.path: i for i, f in enumerate(plan.files)}
+    spans = sorted(
+        (index[r.file], r.src_offset, r.src_offset + r.nbytes) for r in plan.routes if r.nbytes
+    )
+    out: list[tuple[int, int, int]] = []
+    for f, s, e in spans:
+        if out and out[-1][0] == f and s <= out[-1][2]:
+            out[-1] = (f, out[-1][1], max(out[-1][2], e))
+        else:
+            out.append((f, s, e))
+    return out
+
+
+def _pack(ranges: Sequence[tuple[int, int, int]]) -> bytes:
+    return array.array("q", [x for r in ranges for x in r]).tobytes()
+
+
+def _unpack(data: bytes) -> list[tuple[int, int, int]]:
+    a = array.array("q")
+    a.frombytes(data)
+    return [(a[i], a[i + 1], a[i + 2]) for i in range(0, len(a), 3)]
+
+
+def _share_chunks(
+    ranges: Sequence[Sequence[tuple[int, int, int]]], *, chunk_bytes: int, gap: int = 0
+) -> list[_Chunk]:
+    """The global chunk list, identical on every rank that computes it from the same input.
+
+    ``ranges[r]`` are rank ``r``'s needed ranges. The union is cut at every rank's range
+    boundaries into pieces with one set of ranks needing them; consecutive pieces needed by
+    the same single rank, or by several ranks (``shared``), merge across gaps of at most
+    ``gap`` unneeded bytes (read through, like the loader's coalescing); the result is packed
+    into chunks of at most ``chunk_bytes``, each either private to one rank or shared. A
+    private chunk's owner is the rank that needs it; a shared chunk goes to the rank with
+    the fewest bytes to read so far (ties: lowest rank), so storage reads stay balanced.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    world = len(ranges)
+    events: dict[int, list[tuple[int, int, int]]] = {}
+    for r, spans in enumerate(ranges):
+        for f, s, e in spans:
+            if e > s:
+                events.setdefault(f, []).extend(((s, 1, r), (e, -1, r)))
+    # (file, start, end, needers): elementary pieces, then merged per key.
+    merged: list[tuple[int, int, int, frozenset[int]]] = []
+    for f in sorted(events):
+        active = [0] * world
+        last = None
+        for pos, delta, r in sorted(events[f]):
+            if last is not None and pos > last:
+                needers = frozenset(i for i in range(world) if active[i])
+                if needers:
+                    key = _key(needers)
+                    prev = merged[-1] if merged else None
+                    if (
+                        prev is not None
+                        and prev[0] == f
+                        and _key(prev[3]) == key
+                        and last - prev[2] <= gap
+                    ):
+                        merged[-1] = (f, prev[1], pos, prev[3] | needers)
+                    else:
+                        merged.append((f, last, pos, needers))
+            active[r] += delta
+            last = pos
+    # Pack per key (one open chunk for each rank's private bytes, one for shared bytes).
+    closed: list[tuple[tuple[int, int], int, frozenset[int], list[_Segment]]] = []
+    open_: dict[int, tuple[tuple[int, int], frozenset[int], list[_Segment], int]] = {}
+
+    def close(key: int) -> None:
+        first, needers, segments, _ = open_.pop(key)
+        closed.append((first, key, needers, segments))
+
+    for f, s, e, needers in merged:
+        key = _key(needers)
+        pos = s
+        while pos < e:
+            if key not in open_:
+                open_[key] = ((f, pos), frozenset(), [], 0)
+            first, have, segments, used = open_[key]
+            take = min(e - pos, chunk_bytes - used)
+            segments.append(_Segment(f, pos, take, used))
+            open_[key] = (first, have | needers, segments, used + take)
+            pos += take
+            if used + take == chunk_bytes:
+                close(key)
+    for key in list(open_):
+        close(key)
+    closed.sort(key=lambda c: c[0])
+    load = [0] * world
+    for _, key, _, segments in closed:
+        if key >= 0:
+            load[key] += sum(s.nbytes for s in segments)
+    chunks: list[_Chunk] = []
+    for _, key, needers, segments in closed:
+        nbytes = sum(s.nbytes for s in segments)
+        if key >= 0:
+            owner = key
+        else:
+            owner = min(range(world), key=lambda r: (load[r], r))
+            load[owner] += nbytes
+        chunks.append(_Chunk(owner, key < 0, tuple(sorted(needers)), nbytes, tuple(segments)))
+    return chunks
+
+
+def _key(needers: frozenset[int]) -> int:
+    """The rank a piece is private to, or -1 when several ranks need it."""
+    return next(iter(needers)) if len(needers) == 1 else -1
+
+
+# --- results -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """One rank's figures for one distributed load.
+
+    ``bytes_needed``: bytes its plan places. ``bytes_read``: bytes it read from storage
+    (including gaps read through). ``bytes_received`` / ``bytes_sent``: payload of shared
+    chunks it received from / broadcast to the group (``share_reads`` only). ``peak_rss``:
+    the process's peak resident set size so far, in bytes.
+    """
+
+    rank: int
+    fingerprint: str
+    bytes_needed: int
+    bytes_read: int
+    bytes_received: int
+    bytes_sent: int
+    reads: int
+    elapsed_s: float
+    peak_rss: int
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedLoad:
+    """A load every rank of the group completed.
+
+    ``slabs`` are this rank's (complete). ``fingerprint`` combines every rank's plan
+    fingerprint (which includes the slice each sliced route carries), in rank order: equal
+    on all ranks, and it changes when any rank's plan does (also when two ranks swap row
+    slices). ``ranks`` holds every rank's
+    :class:`RankReport`, in rank order; ``RankReport.fingerprint`` is ``plan.fingerprint``.
+    """
+
+    slabs: SlabSet
+    rank: int
+    world: int
+    share_reads: bool
+    fingerprint: str
+    ranks: tuple[RankReport, ...]
+
+    @property
+    def report(self) -> RankReport:
+        return self.ranks[self.rank]
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage by the whole group."""
+        return sum(r.bytes_read for r in self.ranks)
+
+    async def aclose(self) -> None:
+        await self.slabs.aclose()
+
+    async def __aenter__(self) -> DistributedLoad:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+# --- the load ----------------------------------------------------------------------------
+
+
+class _CollectiveFailed(Exception):
+    """A collective raised: a rank died, hung past the group's timeout, or left."""
+
+    def __init__(self, step: str, error: BaseException) -> None:
+        super().__init__(step)
+        self.step = step
+        self.error = error
+
+
+class _Abandoned(Exception):
+    """The awaiting coroutine gave up (timeout); stop touching the event loop."""
+
+
+_OK, _FAILED, _ABORTED, _CANCELLED = "ok", "failed", "aborted", "cancelled"
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _checkpoint_identity(checkpoint: Checkpoint) -> tuple[tuple[tuple[str, int, int], ...], str]:
+    files = tuple((f.path.name, f.size, f.header_len) for f in checkpoint.files)
+    h = hashlib.sha256()
+    for info in checkpoint.tensors.values():
+        h.update(
+            f"{info.name}|{info.file.name}|{info.offset}|{info.nbytes}|{info.st_dtype};".encode()
+        )
+    return files, h.hexdigest()[:16]
+
+
+def _combined(fingerprints: Sequence[str]) -> str:
+    return hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:16]
+
+
+class _Session:
+    """One rank's side of one distributed load. The protocol (two ``all_gather_object``
+    exchanges, and the chunk broadcasts in between when sharing) runs on one thread in
+    the same order on every rank; the event loop only prepares, lands and finishes."""
+
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        plan: Plan,
+        slabs: SlabSet,
+        *,
+        group: Any,
+        share_reads: bool,
+        options: LoadOptions,
+        chunk_bytes: int,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.plan = plan
+        self.slabs = slabs
+        self.group = group
+        self.share = share_reads
+        self.options = options
+        self.chunk_bytes = chunk_bytes
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        backend = str(dist.get_backend(group))
+        # gloo carries CPU tensors (also when slabs live on a GPU); NCCL only CUDA ones.
+        self.comm_cuda = "nccl" in backend and "gloo" not in backend
+        self.comm_device = torch.device("cpu")
+        if self.comm_cuda:
+            if slabs.device.type == "cuda" and slabs.device.index is not None:
+                self.comm_device = slabs.device
+            else:
+                self.comm_device = torch.device("cuda", torch.cuda.current_device())
+        self.loop = asyncio.get_running_loop()
+        self.lock = threading.Lock()
+        self.abort_reason: str | None = None  # cancelled or timed out (set by the loop side)
+        self.abandoned = False
+        self.local_error: BaseException | None = None
+        self.local_task: asyncio.Task[Any] | None = None
+        self.stopped_by: int | None = None
+        self.fds: dict[int, int] = {}
+        self.started = time.perf_counter()
+        self.bytes_read = 0
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        self.reads = 0
+
+    def where(self) -> str:
+        return f"rank {self.rank} of {self.world}"
+
+    # -- loop side --
+
+    def prepare(self) -> dict[str, Any]:
+        """Local checks and set-up, on the loop; their failure travels in the hello."""
+        files, headers = _checkpoint_identity(self.checkpoint)
+        hello: dict[str, Any] = {
+            "rank": self.rank,
+            "files": files,
+            "headers": headers,
+            "fingerprint": self.plan.fingerprint,
+            "slices": self.plan.fingerprint,
+            "tag": dict(self.plan.extras.get("distributed", {})) or None,
+            # What decides the sequence of collectives: it must be the same on every rank.
+            "sharing": (self.share, self.chunk_bytes, self.options.coalesce_gap)
+            if self.share
+            else (False,),
+            "ranges": None,
+            "error": None,
+        }
+        try:
+            if self.share:
+                hello["ranges"] = _pack(_needed_ranges(self.plan))
+                self.slabs._begin(self.checkpoint, self.plan)
+                for i, shard in enumerate(self.plan.files):
+                    self.fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
+        except Exception as err:
+            self.local_error = err
+            hello["error"] = _describe(err)
+        return hello
+
+    def abort(self, reason: str) -> None:
+        with self.lock:
+            if self.abort_reason is None:
+                self.abort_reason = reason
+            task = self.local_task
+        if task is not None:
+            task.cancel()
+
+    # -- protocol thread --
+
+    def protocol(self, hello: dict[str, Any]) -> tuple[str, Any]:
+        """Returns ``("ok", reports)`` or ``("error", DistributedLoadError)``; the same
+        verdict on every rank whose collectives succeeded."""
+        try:
+            if self.comm_cuda:
+                # The CUDA device is per thread; NCCL's object collectives use the current one.
+                torch.cuda.set_device(self.comm_device)
+            hellos = self._gather(hello, "pre-flight")
+            problems = _check_hellos(hellos, self.world)
+            if problems:
+                return "error", self._error(problems, "ranks disagree before loading")
+            if any(h["error"] for h in hellos):
+                failed = {h["rank"]: h["error"] for h in hellos if h["error"]}
+                return "error", self._error(failed, "before loading")
+            if self.share:
+                self._share(hellos)
+            else:
+                self._independent()
+            reports = self._gather(self._final(), "agreement")
+            failed = {
+                r["rank"]: r["error"] or r["status"]
+                for r in reports
+                if r["status"] in (_FAILED, _CANCELLED)
+            }
+            if not failed:
+                aborted = [r["rank"] for r in reports if r["status"] != _OK]
+                if aborted:  # cannot happen: an abort always follows someone's failure
+                    failed = {r: "stopped without a failing rank" for r in aborted}
+            if failed:
+                return "error", self._error(failed, None)
+            return "ok", reports
+        except _CollectiveFailed as err:
+            return "error", self._lost(err)
+        except _Abandoned:
+            return "error", None
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+            self.fds.clear()
+
+    def _gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as err:
+            raise _CollectiveFailed(step, err) from err
+        return out
+
+    def _error(self, failed: Mapping[int, str], context: str | None) -> DistributedLoadError:
+        ranks = sorted(failed)
+        if len(ranks) == 1:
+            r = ranks[0]
+            text = f"distributed load failed on rank {r} of {self.world}: {failed[r]}"
+        else:
+            listed = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
+            text = (
+                f"distributed load failed on ranks {', '.join(map(str, ranks))} of "
+                f"{self.world}: {listed}"
+            )
+        if context is not None:
+            text = f"{text} ({context})"
+        err = DistributedLoadError(
+            text, ranks=tuple(ranks), errors=dict(failed), rank=self.rank, world=self.world
+        )
+        if self.rank in failed and self.local_error is not None:
+            err.__cause__ = self.local_error
+        return err
+
+    def _lost(self, failure: _CollectiveFailed) -> DistributedLoadError:
+        err = DistributedLoadError(
+            f"{self.where()}: the {failure.step} collective failed — another rank died, hung "
+            "longer than the process group's timeout, or left the group; the process group "
+            f"is unusable now ({_describe(failure.error)})",
+            ranks=(),
+            errors={},
+            rank=self.rank,
+            world=self.world,
+            step=failure.step,
+        )
+        err.__cause__ = failure.error
+        return err
+
+    def _in_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the event loop (after everything queued before it) and return its
+        result."""
+        if self.abandoned:
+            raise _Abandoned
+        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                cf.set_result(fn())
+            except BaseException as err:
+                cf.set_exception(err)
+
+        try:
+            self.loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop is closed
+            raise _Abandoned from None
+        while True:
+            try:
+                return cf.result(timeout=0.25)
+            except concurrent.futures.TimeoutError:
+                if self.abandoned:
+                    raise _Abandoned from None
+
+    def _independent(self) -> None:
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def start() -> None:
+            async def run() -> None:
+                await self.slabs.load(self.checkpoint, plan=self.plan, options=self.options)
+
+            def finished(task: asyncio.Task[None]) -> None:
+                if task.cancelled():
+                    done.cancel()
+                elif (exc := task.exception()) is not None:
+                    done.set_exception(exc)
+                else:
+                    done.set_result(None)
+
+            with self.lock:
+                if self.abort_reason is not None:
+                    done.cancel()
+                    return
+                task = self.loop.create_task(run(), name="asyncslab-dist-local")
+                self.local_task = task
+            task.add_done_callback(finished)
+
+        self._in_loop(start)
+        try:
+            done.result()
+        except concurrent.futures.CancelledError:
+            pass  # abort_reason says why
+        except BaseException as err:
+            self.local_error = err
+        stats = self.slabs.statistics() if not self.abandoned else None
+        if stats is not None:
+            self.bytes_read, self.reads = stats.bytes_read, stats.reads
+
+    def _final(self) -> dict[str, Any]:
+        if self.abort_reason is not None:
+            status, error = _CANCELLED, f"load {self.abort_reason}"
+        elif self.local_error is not None:
+            status, error = _FAILED, _describe(self.local_error)
+        elif self.stopped_by is not None:
+            status, error = _ABORTED, None
+        else:
+            status, error = _OK, None
+        return {
+            "rank": self.rank,
+            "status": status,
+            "error": error,
+            "fingerprint": self.plan.fingerprint,
+            "slices": self.plan.fingerprint,
+            "bytes_needed": sum(r.nbytes for r in self.plan.routes),
+            "bytes_read": self.bytes_read,
+            "bytes_received": self.bytes_received,
+            "bytes_sent": self.bytes_sent,
+            "reads": self.reads,
+            "elapsed_s": time.perf_counter() - self.started,
+            "peak_rss": _peak_rss(),
+        }
+
+    # -- read once, share --
+
+    def _failing(self) -> bool:
+        return self.local_error is not None or self.abort_reason is not None
+
+    def _share(self, hellos: Sequence[dict[str, Any]]) -> None:
+        chunks = _share_chunks(
+            [_unpack(h["ranges"]) for h in hellos],
+            chunk_bytes=self.chunk_bytes,
+            gap=self.options.coalesce_gap,
+        )
+        rank, nbuf = self.rank, 2
+        mine = [k for k, c in enumerate(chunks) if c.owner == rank]
+        relevant = [c for c in chunks if c.shared or c.owner == rank]
+        size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
+        pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
+        host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+        comm = (
+            [torch.empty(size, dtype=torch.uint8, device=self.comm_device) for _ in range(nbuf)]
+            if self.comm_cuda
+            else host
+        )
+        self.slabs._staging_budget = nbuf * size * (2 if self.comm_cuda else 1)
+        self.slabs._staging_peak = self.slabs._staging_budget
+        routes = _RouteIndex(self.plan, self.slabs)
+        cond = threading.Condition()
+        state = {"done": 0, "stop": False}
+        filled: dict[int, BaseException | None] = {}
+
+        def reader() -> None:
+            views = [byte_view(t.data_ptr(), size) for t in host]
+            for k in mine:
+                with cond:
+                    while state["done"] < k - nbuf + 1 and not state["stop"]:
+                        cond.wait()
+                    if state["stop"]:
+                        return
+                result: BaseException | None = None
+                if not self._failing():
+                    try:
+                        view = views[k % nbuf]
+                        for seg in chunks[k].segments:
+                            path = str(self.plan.files[seg.file].path)
+                            preadv_exact(
+                                self.fds[seg.file],
+                                [view[seg.at : seg.at + seg.nbytes]],
+                                seg.offset,
+                                path=path,
+                            )
+                            self.reads += 1
+                            self.bytes_read += seg.nbytes
+                    except BaseException as err:
+                        result = err
+                with cond:
+                    filled[k] = result
+                    cond.notify_all()
+
+        thread = threading.Thread(target=reader, name="asyncslab-dist-read", daemon=True)
+        thread.start()
+        try:
+            for k, chunk in enumerate(chunks):
+                if chunk.shared or chunk.owner == rank:
+                    if self._chunk(k, chunk, host[k % nbuf], comm[k % nbuf], filled, cond, routes):
+                        break
+                with cond:
+                    state["done"] = k + 1
+                    cond.notify_all()
+        finally:
+            with cond:
+                state["stop"] = True
+                cond.notify_all()
+            thread.join()
+            self._in_loop(self._settle_share)
+
+    def _chunk(
+        self,
+        k: int,
+        chunk: _Chunk,
+        host: torch.Tensor,
+        comm: torch.Tensor,
+        filled: dict[int, BaseException | None],
+        cond: threading.Condition,
+        routes: _RouteIndex,
+    ) -> bool:
+        """Process chunk ``k``; ``True`` when the whole group stops here."""
+        n = chunk.nbytes
+        if chunk.owner == self.rank:
+            with cond:
+                while k not in filled:
+                    cond.wait()
+                result = filled.pop(k)
+            if result is not None and self.local_error is None:
+                self.local_error = result
+            if not chunk.shared:
+                if not self._failing():
+                    self._deliver(chunk, host, routes)
+                return False
+            status = 1 if self.local_error is not None else 2 if self._failing() else 0
+            host[n] = status
+            if self.comm_cuda:
+                comm[: n + 1].copy_(host[: n + 1])
+            self._broadcast(comm[: n + 1], chunk.owner, k)
+            if status:
+                return True
+            self.bytes_sent += n
+            self._deliver(chunk, comm, routes)
+            return False
+        self._broadcast(comm[: n + 1], chunk.owner, k)
+        if int(comm[n].item()):
+            self.stopped_by = chunk.owner
+            return True
+        self.bytes_received += n
+        if not self._failing() and self.rank in chunk.needers:
+            self._deliver(chunk, comm, routes)
+        return False
+
+    def _broadcast(self, tensor: torch.Tensor, owner: int, k: int) -> None:
+        src = owner if self.group is None else dist.get_global_rank(self.group, owner)
+        try:
+            dist.broadcast(tensor, src=src, group=self.group)
+        except Exception as err:
+            raise _CollectiveFailed(f"chunk {k} broadcast", err) from err
+
+    def _deliver(self, chunk: _Chunk, buffer: torch.Tensor, routes: _RouteIndex) -> None:
+        """Copy every overlap of the chunk with this rank's routes into its slot, then land
+        those bytes (on the loop, in order)."""
+        landed: list[tuple[int, int]] = []
+        slab_bytes = routes.slab_bytes
+        for seg in chunk.segments:
+            for route, src, dst_slab, dst, nbytes in routes.overlaps(seg):
+                start = seg.at + (src - seg.offset)
+                slab_bytes[dst_slab].narrow(0, dst, nbytes).copy_(buffer.narrow(0, start, nbytes))
+                landed.append((route, nbytes))
+        if not landed:
+            return
+        if routes.cuda:
+            torch.cuda.current_stream(routes.cuda_device).synchronize()
+        if self.abandoned:
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._land, landed)
+        except RuntimeError:
+            raise _Abandoned from None
+
+    def _land(self, landed: list[tuple[int, int]]) -> None:
+        if self.abandoned or self.local_error is not None:
+            return
+        try:
+            land = self.slabs._tracker.land
+            for route, nbytes in landed:
+                land(route, nbytes)
+                self.slabs._bytes_landed += nbytes
+        except AsyncSlabError as err:
+            self.local_error = err
+
+    def _settle_share(self) -> None:
+        slabs = self.slabs
+        slabs._bytes_needed = sum(r.nbytes for r in self.plan.routes)
+        slabs._bytes_read = self.bytes_read
+        slabs._reads = self.reads
+        if slabs.state != "loading":
+            return
+        if self.local_error is None and self.abort_reason is None and self.stopped_by is None:
+            if not slabs.complete:
+                missing = [u for u in self.plan.units if not slabs._tracker.is_complete(u)]
+                self.local_error = IncompleteLoadError(
+                    f"shared load finished with incomplete units {missing[:5]}"
+                )
+        if self.abort_reason is not None:
+            slabs._finish("cancelled", asyncio.CancelledError(self.abort_reason))
+        elif self.local_error is not None:
+            slabs._finish("failed", self.local_error)
+        elif self.stopped_by is not None:
+            slabs._finish(
+                "failed",
+                LoadError(f"stopped: rank {self.stopped_by} failed (see the load's error)"),
+            )
+        else:
+            slabs._finish("complete")
+
+
+class _RouteIndex:
+    """This rank's routes by file and offset, to find what a chunk segment overlaps.
+
+    A plan's routes never overlap each other (each is a distinct tensor, or one slice of
+    one), so the routes of a file sorted by start are also sorted by end.
+    """
+
+    def __init__(self, plan: Plan, slabs: SlabSet) -> None:
+        index = {f.path: i for i, f in enumerate(plan.files)}
+        per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
+        route_slab = slabs._route_slab
+        for i, r in enumerate(plan.routes):
+            if r.nbytes:
+                per_file.setdefault(index[r.file], []).append(
+                    (r.src_offset, r.src_offset + r.nbytes, i, route_slab[i], r.dst_offset)
+                )
+        self.files = {f: sorted(v) for f, v in per_file.items()}
+        self.starts = {f: [e[0] for e in v] for f, v in self.files.items()}
+        # Hold the byte views: their storage outlives a SlabSet closed meanwhile.
+        self.slab_bytes = list(slabs._bytes)
+        self.cuda = slabs.device.type == "cuda"
+        self.cuda_device = slabs.device if self.cuda else None
+
+    def overlaps(self, seg: _Segment) -> Iterable[tuple[int, int, int, int, int]]:
+        """``(route, file offset, slab index, slab byte offset, nbytes)`` per overlap."""
+        entries = self.files.get(seg.file)
+        if not entries:
+            return
+        lo, hi = seg.offset, seg.offset + seg.nbytes
+        i = max(bisect.bisect_right(self.starts[seg.file], lo) - 1, 0)
+        while i < len(entries) and entries[i][0] < hi:
+            start, end, route, slab, dst = entries[i]
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                yield route, a, slab, dst + (a - start), b - a
+            i += 1
+
+
+def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str]:
+    """Problems every rank finds alike in the pre-flight exchange, by rank."""
+    problems: dict[int, str] = {}
+    first = hellos[0]
+    for h in hellos[1:]:
+        if h["sharing"] != first["sharing"]:
+            problems[h["rank"]] = (
+                f"loads with {_sharing(h['sharing'])}, rank 0 with {_sharing(first['sharing'])}"
+            )
+        if h["files"] != first["files"] or h["headers"] != first["headers"]:
+            problems[h["rank"]] = (
+                f"opened another checkpoint than rank 0 (files {list(h['files'])[:3]}, "
+                f"headers {h['headers']}; rank 0: {list(first['files'])[:3]}, "
+                f"headers {first['headers']})"
+            )
+    tags = [h["tag"] for h in hellos]
+    if any(t is not None for t in tags):
+        for h, t in zip(hellos, tags, strict=True):
+            if t is None:
+                problems.setdefault(h["rank"], "its plan was not made by rank_plan, rank 0's was")
+            elif (t["rank"], t["world"]) != (h["rank"], world):
+                problems.setdefault(
+                    h["rank"],
+                    f"its plan was made for rank {t['rank']} of {t['world']}",
+                )
+        modes = {t["mode"] for t in tags if t is not None}
+        reference = tags[0]
+        if len(modes) > 1 and reference is not None:
+            for h, t in zip(hellos, tags, strict=True):
+                if t is not None and t["mode"] != reference["mode"]:
+                    problems.setdefault(
+                        h["rank"], f"planned mode {t['mode']!r}, rank 0 {reference['mode']!r}"
+                    )
+        if modes == {"replicated"}:
+            for h in hellos:
+                if h["slices"] != first["slices"]:
+                    problems.setdefault(
+                        h["rank"],
+                        f"replicated plan {h['fingerprint']} differs from rank 0's "
+                        f"{first['fingerprint']}",
+                    )
+    return problems
+
+
+def _sharing(key: tuple[Any, ...]) -> str:
+    if not key[0]:
+        return "share_reads=False"
+    return f"share_reads=True, chunk_bytes={key[1]}, coalesce_gap={key[2]}"
+
+
+async def load(
+    checkpoint: Checkpoint,
+    plan: Plan,
+    *,
+    group: Any = None,
+    share_reads: bool = False,
+    device: str | torch.device = "cpu",
+    options: LoadOptions | None = None,
+    into: SlabSet | None = None,
+    chunk_bytes: int = 16 << 20,
+    # Not asyncio.timeout: cancelling makes this rank finish the protocol (waiting up to the
+    # group's timeout) so that the others hear of it; this deadline abandons it instead.
+    timeout: float | None = None,  # noqa: ASYNC109
+) -> DistributedLoad:
+    """Load this rank's ``plan`` and agree with every rank of ``group`` (default: the
+    default process group) that all loads completed. Every rank must call it, with its own
+    plan of the same checkpoint (e.g. from :func:`rank_plan`) and the same ``share_reads``
+    and ``chunk_bytes``.
+
+    Protocol, in the same order on every rank: a pre-flight ``all_gather_object`` (same
+    checkpoint files and headers everywhere; plans from :func:`rank_plan` made for this
+    rank, world and one mode; replicated plans identical; each rank's local preparation
+    succeeded), the load, then an agreement ``all_gather_object`` of every rank's outcome
+    and figures. If any rank failed, every rank raises :class:`DistributedLoadError` naming
+    it (and, where the slabs were allocated here, frees them; ``into`` slabs are reset).
+
+    ``share_reads``: read each needed byte range from storage exactly once in the group;
+    ranges several ranks need travel by ``dist.broadcast`` in chunks of at most
+    ``chunk_bytes``, through two staging buffers per rank (on the GPU too under NCCL).
+    Otherwise every rank reads its own plan with the ordinary loader and ``options``.
+
+    ``timeout``: seconds after which this rank stops waiting and raises (the collective in
+    flight cannot be interrupted; it ends at the process group's own timeout, and the group
+    is unusable). ``None``: the process group's timeout bounds every wait — a dead rank
+    fails the others at once, a hung one after that timeout.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LoadError("torch.distributed is not initialized; call init_process_group first")
+    if dist.get_rank(group) < 0:
+        raise LoadError("this process is not a member of the given process group")
+    options = options or LoadOptions()
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    slabs = into if into is not None else SlabSet(plan, device)
+    session = _Session(
+        checkpoint,
+        plan,
+        slabs,
+        group=group,
+        share_reads=share_reads,
+        options=options,
+        chunk_bytes=chunk_bytes,
+    )
+    try:
+        hello = session.prepare()
+        verdict = await _drive(session, hello, timeout)
+    except BaseException:
+        await _release(session, into is None)
+        raise
+    kind, value = verdict
+    if kind == "error":
+        await _release(session, into is None)
+        raise value
+    reports = tuple(
+        RankReport(
+            rank=r["rank"],
+            fingerprint=r["fingerprint"],
+            bytes_needed=r["bytes_needed"],
+            bytes_read=r["bytes_read"],
+            bytes_received=r["bytes_received"],
+            bytes_sent=r["bytes_sent"],
+            reads=r["reads"],
+            elapsed_s=r["elapsed_s"],
+            peak_rss=r["peak_rss"],
+        )
+        for r in value
+    )
+    return DistributedLoad(
+        slabs=slabs,
+        rank=session.rank,
+        world=session.world,
+        share_reads=share_reads,
+        fingerprint=_combined([r["slices"] for r in value]),
+        ranks=reports,
+    )
+
+
+async def _drive(
+    session: _Session,
+    hello: dict[str, Any],
+    timeout: float | None,  # noqa: ASYNC109 - see load()
+) -> tuple[str, Any]:
+    """Run the protocol thread and wait for it; on cancellation, finish the protocol first
+    (so the other ranks hear about it instead of waiting), then re-raise."""
+    future: concurrent.futures.Future[tuple[str, Any]] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(session.protocol(hello))
+        except BaseException as err:  # a bug; handed to the awaiting task
+            future.set_exception(err)
+
+    thread = threading.Thread(target=run, name="asyncslab-dist", daemon=True)
+    thread.start()
+    waiter = asyncio.wrap_future(future)
+    try:
+        if timeout is None:
+            return await asyncio.shield(waiter)
+        async with asyncio.timeout(timeout):
+            return await asyncio.shield(waiter)
+    except TimeoutError:
+        if waiter.done():  # finished as the deadline passed
+            return waiter.result()
+        session.abort(f"timed out after {timeout} s")
+        await _local_settled(session)
+        session.abandoned = True
+        # Nothing more will land: close out the slabs' state so waiters wake.
+        if session.slabs.state == "loading":
+            session.slabs._finish("failed", LoadError("distributed load timed out"))
+        raise DistributedLoadError(
+            f"{session.where()}: distributed load did not finish within timeout={timeout} s "
+            "(waiting for the other ranks or the shared reads); the process group is "
+            "unusable now",
+            ranks=(),
+            errors={},
+            rank=session.rank,
+            world=session.world,
+            step="timeout",
+        ) from None
+    except asyncio.CancelledError:
+        session.abort("cancelled")
+        while not waiter.done():
+            try:
+                await asyncio.shield(waiter)
+            except asyncio.CancelledError:
+                continue
+        raise
+
+
+async def _local_settled(session: _Session) -> None:
+    task = session.local_task
+    if task is not None and not task.done():
+        task.cancel()
+        # Its outcome is reported elsewhere; wait() does not raise it (but lets our own
+        # cancellation through).
+        await asyncio.wait([task])
+
+
+async def _release(session: _Session, owned: bool) -> None:
+    """After a failed distributed load: no slab of this rank stays usable."""
+    await _local_settled(session)
+    slabs = session.slabs
+    if slabs.state == "loading":
+        slabs._finish("failed", LoadError("distributed load failed"))
+    if not session.abandoned:
+        # Only left open when the protocol thread never ran; an abandoned one closes its own.
+        for fd in session.fds.values():
+            os.close(fd)
+        session.fds.clear()
+    if owned:
+        await slabs.aclose()
+    elif slabs.state == "complete":
+        slabs.reset()

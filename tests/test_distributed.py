@@ -1,0 +1,732 @@
+"""Distributed loads over real gloo process groups of spawned processes.
+
+Each test spawns its ranks (``spawn`` start method: children never inherit pytest's event
+loop, and each runs its own ``asyncio.Runner``), rendezvous through a file in ``tmp_path``,
+and has every child write what it saw (bytes, digests, mismatches against safetensors
+reads, errors, timings) to ``rank<r>.json``; the parent asserts on those. One spawn covers
+many loads, since a coordinated failure leaves the process group usable; a killed or hung
+rank does not, so those get spawns of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import errno
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import random
+import time
+import traceback
+import warnings
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import raw_bytes
+from safetensors import safe_open
+
+import asyncslab
+from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError, SyntheticSpec
+from asyncslab import _distributed as distributed
+from asyncslab._distributed import DistributedLoadError, _share_chunks
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+PG_TIMEOUT = 10.0  # seconds; the process group's timeout in the children
+HUNG_PG_TIMEOUT = 4.0  # the same, where a rank hangs
+EXACT = LoadOptions(coalesce_gap=0)  # no read-through: bytes read == bytes needed
+SHARE_CHUNK = 64 << 10  # small chunks: many of them, routes straddling chunk edges
+SPECS = {
+    2: SyntheticSpec(),
+    3: SyntheticSpec(hidden=192, intermediate=96, n_experts=6, vocab=384),
+}
+SLICED_MODES = ("pre-sliced", "rows", "experts", "rows+experts")
+
+
+# --- parent side -------------------------------------------------------------------------
+
+
+def _write_checkpoints(root: Path, world: int) -> Path:
+    spec = SPECS[world]
+    asyncslab.write_synthetic(root / "whole", spec)
+    asyncslab.write_synthetic(root / "sliced", dataclasses.replace(spec, tp_ranks=world))
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoints2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_checkpoints(tmp_path_factory.mktemp("dist2"), 2)
+
+
+@pytest.fixture(scope="module")
+def checkpoints3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_checkpoints(tmp_path_factory.mktemp("dist3"), 3)
+
+
+def _spawn(
+    tmp_path: Path,
+    world: int,
+    scenario: str,
+    checkpoints: Path,
+    *,
+    pg_timeout: float = PG_TIMEOUT,
+    wait: float = 60.0,
+    wait_for: tuple[int, ...] | None = None,
+) -> list[dict[str, Any] | None]:
+    """Run ``scenario`` on ``world`` spawned ranks; their JSON results, by rank (``None``
+    for a rank that wrote none). Ranks not in ``wait_for`` are killed once those finished."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world, str(tmp_path), str(checkpoints), scenario, pg_timeout),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + wait
+    try:
+        for rank, p in enumerate(procs):
+            if wait_for is None or rank in wait_for:
+                p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    results: list[dict[str, Any] | None] = []
+    for rank in range(world):
+        path = tmp_path / f"rank{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    for r in results:
+        if r is not None and r.get("crash"):
+            pytest.fail(f"rank {r['rank']} crashed:\n{r['crash']}")
+    return results
+
+
+def _union(ranges: list[list[list[Any]]]) -> int:
+    """Bytes in the union of every rank's ``(file, start, end)`` ranges."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for spans in ranges:
+        for name, s, e in spans:
+            by_file.setdefault(name, []).append((s, e))
+    total = 0
+    for spans in by_file.values():
+        end = -1
+        for s, e in sorted(spans):
+            if s >= end:
+                total += e - s
+                end = e
+            elif e > end:
+                total += e - end
+                end = e
+    return total
+
+
+# --- child side --------------------------------------------------------------------------
+
+
+def _child(
+    rank: int, world: int, workdir: str, checkpoints: str, scenario: str, pg_timeout: float
+) -> None:
+    torch.set_num_threads(1)
+    # Any warning torch.distributed emits fails the run, as it would under pytest.
+    warnings.simplefilter("error")
+    result: dict[str, Any] = {"rank": rank, "crash": None}
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout),
+    )
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    if rank % 2:  # odd ranks under uvloop: a group may mix event loops
+        try:
+            import uvloop
+
+            loop_factory = uvloop.new_event_loop
+        except ImportError:  # pragma: no cover
+            pass
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(SCENARIOS[scenario](rank, world, Path(checkpoints), result))
+    except BaseException:
+        result["crash"] = traceback.format_exc()
+    path = Path(workdir) / f"rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(result))
+    path.with_suffix(".tmp").rename(path)
+    if result.get("group_broken"):
+        os._exit(0)  # a lost rank or a timeout leaves the group unusable: no teardown
+    dist.destroy_process_group()
+
+
+def _verify(slabs: asyncslab.SlabSet, ckpt: Checkpoint) -> dict[str, Any]:
+    """Compare every routed slot with the bytes safetensors reads; digest all slabs."""
+    plan = slabs.plan
+    mismatched = []
+    handles: dict[Path, Any] = {}
+    for route in plan.routes:
+        info = ckpt.tensors[route.tensor]
+        if info.file not in handles:
+            handles[info.file] = safe_open(info.file, framework="pt")
+        full = raw_bytes(handles[info.file].get_tensor(route.tensor))
+        start = route.src_offset - info.offset
+        expected = full[start : start + route.nbytes]
+        if not torch.equal(raw_bytes(slabs.view(route.tensor)), expected):
+            mismatched.append(route.tensor)
+    h = hashlib.sha256()
+    for name in sorted(plan.slabs):
+        h.update(raw_bytes(slabs.slab(name)).numpy().tobytes())
+    ranges = sorted(
+        [r.file.name, r.src_offset, r.src_offset + r.nbytes] for r in plan.routes if r.nbytes
+    )
+    return {
+        "checked": len(plan.routes),
+        "mismatched": mismatched,
+        "digest": h.hexdigest(),
+        "ranges": ranges,
+    }
+
+
+def _error(err: BaseException, started: float) -> dict[str, Any]:
+    return {
+        "type": type(err).__name__,
+        "message": str(err),
+        "ranks": list(getattr(err, "ranks", ())),
+        "load_error": isinstance(err, LoadError),
+        "cause": type(err.__cause__).__name__ if err.__cause__ is not None else None,
+        "elapsed": time.perf_counter() - started,
+    }
+
+
+async def _load_and_verify(
+    ckpt: Checkpoint, plan: asyncslab.Plan, *, share: bool, options: LoadOptions = EXACT
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = await distributed.load(
+        ckpt, plan, share_reads=share, options=options, chunk_bytes=SHARE_CHUNK
+    )
+    async with result:
+        stats = result.slabs.statistics()
+        out = _verify(result.slabs, ckpt)
+        out.update(
+            state=stats.state,
+            needed=stats.bytes_needed,
+            read=stats.bytes_read,
+            landed=stats.bytes_landed,
+            staging_budget=stats.staging_budget,
+            fingerprint=plan.fingerprint,
+            combined=result.fingerprint,
+            reports=[
+                [r.rank, r.bytes_needed, r.bytes_read, r.bytes_received, r.bytes_sent]
+                for r in result.ranks
+            ],
+            elapsed=time.perf_counter() - started,
+        )
+    return out
+
+
+def _open(root: Path, mode: str) -> Checkpoint:
+    return Checkpoint.open(root / ("sliced" if mode == "pre-sliced" else "whole"))
+
+
+async def _all_modes(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    loads: dict[str, Any] = {}
+    for mode in ("replicated", *SLICED_MODES):
+        ckpt = _open(root, mode)
+        plan = distributed.rank_plan(ckpt, mode=mode)
+        for share in (False, True):
+            loads[f"{mode}/{'share' if share else 'own'}"] = await _load_and_verify(
+                ckpt, plan, share=share
+            )
+    # A shared reload into the same slabs: in place, every pointer kept.
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    first = await distributed.load(ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK)
+    async with first:
+        pointers = {n: first.slabs.slab(n).data_ptr() for n in plan.slabs}
+        again = await distributed.load(
+            ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK, into=first.slabs
+        )
+        assert again.slabs is first.slabs
+        result["into"] = {
+            "pointers_kept": pointers == {n: again.slabs.slab(n).data_ptr() for n in plan.slabs},
+            "digest": _verify(again.slabs, ckpt)["digest"],
+            "state": again.slabs.state,
+        }
+    result["loads"] = loads
+    result["total"] = {
+        "whole": Checkpoint.open(root / "whole").total_bytes,
+        "sliced": Checkpoint.open(root / "sliced").total_bytes,
+    }
+
+
+def _patch_preadv(behaviour: Callable[[], None]) -> Callable[[], None]:
+    """Make every positional read in this process call ``behaviour`` first."""
+    real = os.preadv
+
+    def patched(fd: int, buffers: Any, offset: int, *args: Any) -> int:
+        behaviour()
+        return real(fd, buffers, offset, *args)
+
+    os.preadv = patched
+
+    def undo() -> None:
+        os.preadv = real
+
+    return undo
+
+
+def _eio() -> None:
+    raise OSError(errno.EIO, "Input/output error (injected)")
+
+
+async def _expect_failure(
+    ckpt: Checkpoint,
+    plan: asyncslab.Plan,
+    share: bool,
+    options: LoadOptions = EXACT,
+    chunk_bytes: int = SHARE_CHUNK,
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        await distributed.load(
+            ckpt, plan, share_reads=share, options=options, chunk_bytes=chunk_bytes
+        )
+    except BaseException as err:
+        return _error(err, started)
+    return {"type": None}
+
+
+async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Coordinated failures, one after another in one process group, then a good load."""
+    out: dict[str, Any] = {}
+    for mode, share in (("experts", False), ("replicated", True), ("pre-sliced", True)):
+        ckpt = _open(root, mode)
+        plan = distributed.rank_plan(ckpt, mode=mode)
+        undo = _patch_preadv(_eio) if rank == 1 else (lambda: None)
+        try:
+            out[f"eio/{mode}/{share}"] = await _expect_failure(ckpt, plan, share)
+        finally:
+            undo()
+
+    # A plan made for the wrong rank: every rank refuses before reading.
+    ckpt = _open(root, "experts")
+    wrong = distributed.rank_plan(ckpt, mode="experts", rank=0, world=world)
+    out["wrong-plan"] = await _expect_failure(ckpt, wrong, True)
+    # Ranks that would run different sequences of collectives refuse before any of them.
+    plan = distributed.rank_plan(ckpt, mode="experts")
+    out["mismatch"] = await _expect_failure(ckpt, plan, True, chunk_bytes=SHARE_CHUNK + rank)
+
+    # Cancelling one rank's load fails the others' and leaves the group in step.
+    slow = LoadOptions(read_size=16 << 10, coalesce_gap=0)
+    for share in (False, True):
+        ckpt = _open(root, "replicated")
+        plan = distributed.rank_plan(ckpt, mode="replicated")
+        if rank == 1:
+            undo = _patch_preadv(lambda: time.sleep(0.02))
+            task = asyncio.create_task(
+                distributed.load(ckpt, plan, share_reads=share, options=slow, chunk_bytes=16 << 10)
+            )
+            await asyncio.sleep(0.3)
+            task.cancel()
+            started = time.perf_counter()
+            try:
+                await task
+                out[f"cancel/{share}"] = {"type": None}
+            except BaseException as err:
+                out[f"cancel/{share}"] = _error(err, started)
+            finally:
+                undo()
+        else:
+            out[f"cancel/{share}"] = await _expect_failure(
+                ckpt, plan, share, options=slow, chunk_bytes=16 << 10
+            )
+
+    # The group is still usable, and a load after the failures succeeds.
+    ckpt = _open(root, "replicated")
+    out["after"] = await _load_and_verify(
+        ckpt, distributed.rank_plan(ckpt, mode="replicated"), share=True
+    )
+    result["faults"] = out
+
+
+def _make_killer(after: int) -> Callable[[], None]:
+    count = [0]
+
+    def kill() -> None:
+        count[0] += 1
+        if count[0] == after:
+            os._exit(1)
+
+    return kill
+
+
+async def _killed(rank: int, world: int, root: Path, result: dict[str, Any], share: bool) -> None:
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    if rank == 1:
+        _patch_preadv(_make_killer(3))
+    options = LoadOptions(read_size=32 << 10, coalesce_gap=0)
+    started = time.perf_counter()
+    try:
+        await distributed.load(ckpt, plan, share_reads=share, options=options, chunk_bytes=32 << 10)
+        result["outcome"] = {"type": None}
+    except BaseException as err:
+        result["outcome"] = _error(err, started)
+    result["group_broken"] = True
+
+
+async def _killed_own(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    await _killed(rank, world, root, result, share=False)
+
+
+async def _killed_share(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    await _killed(rank, world, root, result, share=True)
+
+
+async def _hung(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1 hangs in a read. Rank 0 relies on the group's timeout, rank 2 on timeout=."""
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    if rank == 1:
+        _patch_preadv(lambda: time.sleep(3600))
+    started = time.perf_counter()
+    try:
+        await distributed.load(
+            ckpt,
+            plan,
+            options=LoadOptions(read_timeout=None),
+            timeout=1.5 if rank == 2 else None,
+        )
+        result["outcome"] = {"type": None}
+    except BaseException as err:
+        result["outcome"] = _error(err, started)
+    result["group_broken"] = True
+    if rank == 2:
+        # Stay alive until rank 0 timed out: a rank that exits fails the others at once.
+        await asyncio.sleep(HUNG_PG_TIMEOUT + 1)
+
+
+SCENARIOS: dict[str, Callable[[int, int, Path, dict[str, Any]], Awaitable[None]]] = {
+    "modes": _all_modes,
+    "faults": _faults,
+    "killed-own": _killed_own,
+    "killed-share": _killed_share,
+    "hung": _hung,
+}
+
+
+async def _modes_then_faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    await _all_modes(rank, world, root, result)
+    if world == 2:
+        await _faults(rank, world, root, result)
+
+
+SCENARIOS["modes+faults"] = _modes_then_faults
+
+
+# --- tests: modes --------------------------------------------------------------------------
+
+
+def _check_modes(results: list[dict[str, Any] | None], world: int) -> None:
+    assert all(r is not None for r in results)
+    ranks = [r for r in results if r is not None]
+    for r in ranks:
+        for key, got in r["loads"].items():
+            assert got["state"] == "complete", (r["rank"], key)
+            assert got["checked"] > 0
+            assert got["mismatched"] == [], (r["rank"], key, got["mismatched"][:5])
+            assert got["landed"] == got["needed"], (r["rank"], key)
+            # Every rank agrees on every rank's figures and on the combined fingerprint.
+            assert got["reports"] == ranks[0]["loads"][key]["reports"], key
+            assert got["combined"] == ranks[0]["loads"][key]["combined"], key
+    for r in ranks:
+        assert r["into"]["state"] == "complete"
+        assert r["into"]["pointers_kept"]
+        assert r["into"]["digest"] == r["loads"]["replicated/own"]["digest"]
+    combined = {key: got["combined"] for key, got in ranks[0]["loads"].items()}
+    for mode in ("replicated", *SLICED_MODES):
+        assert combined[f"{mode}/own"] == combined[f"{mode}/share"]
+    assert len({combined[f"{mode}/own"] for mode in ("replicated", *SLICED_MODES)}) == 5
+    total = ranks[0]["total"]
+    replicated_union = _union([r["loads"]["replicated/own"]["ranges"] for r in ranks])
+    for mode in ("replicated", *SLICED_MODES):
+        own = [r["loads"][f"{mode}/own"] for r in ranks]
+        share = [r["loads"][f"{mode}/share"] for r in ranks]
+        union = _union([o["ranges"] for o in own])
+        for o, s in zip(own, share, strict=True):
+            # Independent loads read exactly what they need (no read-through: EXACT).
+            assert o["read"] == o["needed"], mode
+            # Shared loads fill the very same bytes.
+            assert s["digest"] == o["digest"], mode
+            assert s["needed"] == o["needed"], mode
+            assert s["staging_budget"] <= 2 * (SHARE_CHUNK + 1)
+        # Read once: the group reads the union of what its ranks need, each byte once.
+        assert sum(s["read"] for s in share) == union, mode
+        assert sum(o["read"] for o in own) == sum(o["needed"] for o in own), mode
+        if mode == "replicated":
+            assert len({o["fingerprint"] for o in own}) == 1
+            assert union == replicated_union
+            assert sum(s["read"] for s in share) * world == sum(o["read"] for o in own)
+        else:
+            if mode != "rows":  # Plan.fingerprint does not see which rows a route carries
+                assert len({o["fingerprint"] for o in own}) == world, mode
+            # A rank reads only its part, and together the ranks cover the checkpoint.
+            whole = total["sliced" if mode == "pre-sliced" else "whole"]
+            assert all(o["needed"] < whole for o in own), mode
+            if mode != "pre-sliced":
+                assert union == replicated_union, mode
+        # Shared chunks travel to every other rank; nothing is received that was not sent.
+        reports = share[0]["reports"]
+        sent = sum(rep[4] for rep in reports)
+        received = sum(rep[3] for rep in reports)
+        assert received == sent * (world - 1), mode
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_every_mode_then_coordinated_failures(tmp_path: Path, checkpoints2: Path) -> None:
+    results = _spawn(tmp_path, 2, "modes+faults", checkpoints2, wait=100)
+    _check_modes(results, 2)
+    faults = [r["faults"] for r in results if r is not None]
+    assert len(faults) == 2
+    for key in ("eio/experts/False", "eio/replicated/True", "eio/pre-sliced/True"):
+        for rank, f in enumerate(faults):
+            got = f[key]
+            assert got["type"] == "DistributedLoadError", (rank, key, got)
+            assert got["load_error"]
+            assert got["ranks"] == [1], (rank, key, got)
+            assert "failed on rank 1 of 2" in got["message"], got["message"]
+            assert "ReadError" in got["message"]
+            assert "Input/output error" in got["message"]
+            assert got["elapsed"] < PG_TIMEOUT / 2, (rank, key, got["elapsed"])
+        assert faults[1][key]["cause"] == "ReadError"
+    for f in faults:
+        got = f["wrong-plan"]
+        assert got["type"] == "DistributedLoadError", got
+        assert got["ranks"] == [1], got
+        assert "made for rank 0 of 2" in got["message"]
+        got = f["mismatch"]
+        assert got["type"] == "DistributedLoadError", got
+        assert got["ranks"] == [1], got
+        assert f"chunk_bytes={SHARE_CHUNK + 1}" in got["message"]
+    for share in (False, True):
+        assert faults[1][f"cancel/{share}"]["type"] == "CancelledError"
+        got = faults[0][f"cancel/{share}"]
+        assert got["type"] == "DistributedLoadError", got
+        assert got["ranks"] == [1], got
+        assert "cancelled" in got["message"]
+    for f in faults:
+        assert f["after"]["state"] == "complete"
+        assert f["after"]["mismatched"] == []
+
+
+@pytest.mark.timeout(120)
+def test_three_ranks_every_mode(tmp_path: Path, checkpoints3: Path) -> None:
+    _check_modes(_spawn(tmp_path, 3, "modes", checkpoints3, wait=100), 3)
+
+
+# --- tests: lost ranks ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("share", [False, True], ids=["own-reads", "shared-reads"])
+def test_killed_rank_fails_the_others_quickly(
+    tmp_path: Path, checkpoints2: Path, share: bool
+) -> None:
+    results = _spawn(tmp_path, 2, "killed-share" if share else "killed-own", checkpoints2, wait=60)
+    assert results[1] is None  # it died mid-load
+    assert results[0] is not None
+    got = results[0]["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert "rank 0 of 2" in got["message"]
+    assert "collective failed" in got["message"]
+    assert "another rank died" in got["message"]
+    assert got["cause"] == "RuntimeError"  # what gloo raises: "Connection closed by peer"
+    assert got["elapsed"] < PG_TIMEOUT
+
+
+@pytest.mark.timeout(90)
+def test_hung_rank_fails_the_others_at_the_group_timeout_or_the_deadline(
+    tmp_path: Path, checkpoints3: Path
+) -> None:
+    pg_timeout = HUNG_PG_TIMEOUT
+    results = _spawn(
+        tmp_path, 3, "hung", checkpoints3, pg_timeout=pg_timeout, wait=60, wait_for=(0, 2)
+    )
+    by_timeout, by_deadline = results[0], results[2]
+    assert by_timeout is not None
+    assert by_deadline is not None
+    got = by_timeout["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert "agreement collective failed" in got["message"]
+    assert "Timed out" in got["message"]
+    assert pg_timeout - 0.5 < got["elapsed"] < pg_timeout + 5
+    got = by_deadline["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert "did not finish within timeout=1.5 s" in got["message"]
+    assert 1.4 < got["elapsed"] < pg_timeout
+
+
+# --- tests without a process group --------------------------------------------------------
+
+
+def _check_chunks(
+    ranges: list[list[tuple[int, int, int]]], chunk_bytes: int, gap: int
+) -> list[distributed._Chunk]:
+    chunks = _share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)
+    assert chunks == _share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)  # deterministic
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for c in chunks:
+        assert 0 < c.nbytes <= chunk_bytes
+        assert c.nbytes == sum(s.nbytes for s in c.segments)
+        at = 0
+        for s in c.segments:
+            assert s.at == at
+            at += s.nbytes
+            covered.setdefault(s.file, []).append((s.offset, s.offset + s.nbytes))
+        if c.shared:
+            assert len(c.needers) >= 2
+        else:
+            assert c.needers == (c.owner,)
+    # Segments never overlap (every byte is read once) and cover every needed byte.
+    for spans in covered.values():
+        spans.sort()
+        for (_, e1), (s2, _) in zip(spans, spans[1:], strict=False):
+            assert e1 <= s2
+    for r, spans in enumerate(ranges):
+        for f, s, e in spans:
+            inside = sum(max(0, min(e, b) - max(s, a)) for a, b in covered.get(f, []))
+            assert inside == e - s, (r, f, s, e)
+        # Each needed byte sits in a chunk this rank receives or reads itself.
+        for c in chunks:
+            if r in c.needers:
+                assert c.shared or c.owner == r
+    return chunks
+
+
+def test_share_chunks_read_every_needed_byte_once() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        world = rng.randint(1, 4)
+        ranges = []
+        for _ in range(world):
+            spans = []
+            for f in range(rng.randint(1, 3)):
+                pos = 0
+                for _ in range(rng.randint(0, 6)):
+                    pos += rng.randint(0, 50)
+                    n = rng.randint(1, 80)
+                    spans.append((f, pos, pos + n))
+                    pos += n
+            ranges.append(spans)
+        _check_chunks(ranges, chunk_bytes=rng.randint(1, 120), gap=rng.choice([0, 0, 5, 30]))
+
+
+def test_share_chunks_private_shared_and_balanced() -> None:
+    # Rank 0 and 1 each have a private range; both need [100, 500).
+    ranges = [[(0, 0, 500)], [(0, 100, 600)]]
+    chunks = _check_chunks(ranges, chunk_bytes=100, gap=0)
+    private = [c for c in chunks if not c.shared]
+    assert [(c.owner, c.nbytes) for c in private] == [(0, 100), (1, 100)]
+    shared = [c for c in chunks if c.shared]
+    assert sum(c.nbytes for c in shared) == 400
+    assert sorted(c.owner for c in shared) == [0, 0, 1, 1]  # balanced by bytes
+    # Replicated: everything shared, owners alternate.
+    chunks = _check_chunks([[(0, 0, 400)]] * 2, chunk_bytes=100, gap=0)
+    assert [c.owner for c in chunks] == [0, 1, 0, 1]
+    # A small gap between two ranges of one rank is read through, not split.
+    chunks = _check_chunks([[(0, 0, 10), (0, 14, 20)]], chunk_bytes=100, gap=4)
+    assert [(s.offset, s.nbytes) for s in chunks[0].segments] == [(0, 20)]
+    # ... but never a gap holding bytes another rank needs.
+    chunks = _check_chunks([[(0, 0, 10), (0, 14, 20)], [(0, 11, 12)]], chunk_bytes=100, gap=4)
+    assert sum(s.nbytes for c in chunks for s in c.segments) == 17
+
+
+def test_rank_plan_modes_partition_the_checkpoint(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    full = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
+    assert full.extras["distributed"] == {"mode": "replicated", "rank": 0, "world": 1}
+    experts = [distributed.rank_plan(ckpt, mode="experts", rank=r, world=2) for r in range(2)]
+    for r, p in enumerate(experts):
+        assert {x.expert for x in p.routes if x.expert is not None} == {
+            e for e in range(moe_checkpoint.spec.n_experts) if e % 2 == r
+        }
+    rows = [distributed.rank_plan(ckpt, mode="rows", rank=r, world=2) for r in range(2)]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert rows[0].route(name).shape == (128, 256)
+    assert rows[1].route(name).src_offset == rows[0].route(name).src_offset + 128 * 256 * 2
+    both = distributed.rank_plan(ckpt, mode="rows+experts", rank=1, world=2)
+    assert both.route(name).shape == (128, 256)
+    assert all(x.expert % 2 == 1 for x in both.routes if x.expert is not None)
+    # Which rows a plan carries is part of its fingerprint, and swapping which rank holds
+    # which rows changes the combined fingerprint.
+    slices = [p.fingerprint for p in rows]
+    assert slices[0] != slices[1]
+    assert distributed._combined(slices) != distributed._combined(slices[::-1])
+    mine = distributed.rank_plan(ckpt, mode="experts", rank=0, world=2, owns=lambda layer, e: e < 3)
+    assert {x.expert for x in mine.routes if x.expert is not None} == {0, 1, 2}
+
+
+def test_rank_plan_refuses_what_does_not_fit(tmp_path: Path) -> None:
+    whole = Checkpoint.open(asyncslab.write_synthetic(tmp_path / "w", SyntheticSpec()).root)
+    sliced = Checkpoint.open(
+        asyncslab.write_synthetic(tmp_path / "s", SyntheticSpec(tp_ranks=2)).root
+    )
+    with pytest.raises(PlanError, match="sliced for 2 ranks, but the process group has 4"):
+        distributed.rank_plan(sliced, mode="pre-sliced", rank=0, world=4)
+    with pytest.raises(PlanError, match="load it with mode='pre-sliced'"):
+        distributed.rank_plan(sliced, mode="experts", rank=0, world=2)
+    with pytest.raises(PlanError, match="has whole expert tensors"):
+        distributed.rank_plan(whole, mode="pre-sliced", rank=0, world=2)
+    with pytest.raises(PlanError, match="unknown mode"):
+        distributed.rank_plan(whole, mode="columns", rank=0, world=2)  # type: ignore[arg-type]
+    with pytest.raises(PlanError, match="cannot split shape"):
+        distributed.rank_plan(whole, mode="rows", rank=0, world=3)
+    with pytest.raises(PlanError, match="owns= applies"):
+        distributed.rank_plan(whole, mode="rows", rank=0, world=2, owns=lambda layer, e: True)
+    with pytest.raises(PlanError, match="not initialized"):
+        distributed.rank_plan(whole, mode="replicated")
+    p = distributed.rank_plan(sliced, mode="pre-sliced", rank=1, world=2)
+    assert all(".rank1." in r.tensor for r in p.routes if r.expert is not None)
+
+
+@pytest.mark.asyncio
+async def test_load_needs_a_process_group(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    plan = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
+    with pytest.raises(LoadError, match="not initialized"):
+        await distributed.load(ckpt, plan)
+
+
+def test_error_names_ranks_and_pickles() -> None:
+    err = DistributedLoadError(
+        "distributed load failed on rank 1 of 2: ReadError: boom",
+        ranks=(1,),
+        errors={1: "ReadError: boom"},
+        rank=0,
+        world=2,
+    )
+    assert isinstance(err, LoadError)
+    assert isinstance(err, RuntimeError)
+    clone = pickle.loads(pickle.dumps(err))
+    assert type(clone) is DistributedLoadError
+    assert clone.ranks == (1,)
+    assert clone.errors == {1: "ReadError: boom"}
+    assert str(clone) == str(err)
