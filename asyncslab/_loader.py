@@ -153,10 +153,18 @@ class SlabSet:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoadError(f"device {self.device} requested, but CUDA is not available")
         self.plan = plan
-        self._tensors: dict[str, torch.Tensor] = {
-            name: torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            for name, spec in plan.slabs.items()
-        }
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name, spec in plan.slabs.items():
+            try:
+                self._tensors[name] = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            except (RuntimeError, TypeError) as err:
+                # Out of memory, or a shape torch cannot represent (a zero-size tensor whose
+                # other dimensions pass 2**63): the header format allows it, torch does not.
+                raise LoadError(
+                    f"cannot allocate slab {name!r} of shape {list(spec.shape)} "
+                    f"({spec.dtype}): {str(err).splitlines()[0]}",
+                    slab=name,
+                ) from err
         self._bytes = [t.reshape(-1).view(torch.uint8) for t in self._tensors.values()]
         self._views = (
             [byte_view(t.data_ptr(), t.numel()) for t in self._bytes]
@@ -428,7 +436,7 @@ class SlabSet:
         workers = options.staging_buffers if staged else options.io_workers
         pool = IoPool(workers)
         fds: dict[int, int] = {}
-        drained = True
+        loaded = False
         try:
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
@@ -463,6 +471,7 @@ class SlabSet:
             if not self.complete:
                 missing = [u for u in plan.units if not self._tracker.is_complete(u)]
                 raise IncompleteLoadError(f"load finished with incomplete units {missing[:5]}")
+            loaded = True
         except asyncio.CancelledError as err:
             self._finish("cancelled", err)
             raise
@@ -475,28 +484,40 @@ class SlabSet:
             self._finish("failed", wrapped)
             raise wrapped from err
         finally:
-            drained = await _uncancellable(pool.drain(options.read_timeout))
-            await _uncancellable(pool.close(wait=drained))
-            ring, self._ring = self._ring, None
-            if ring is not None:
-                self._staging_peak = ring.statistics().peak_in_use
-            if drained:
-                _release(list(fds.values()), ring)
-            else:
-                # A read stuck in a thread still reads its fd and writes into these slabs
-                # (or a staging buffer) when it wakes: closing the fd now would let an
-                # unrelated open reuse its number, and aclose() would free the memory under
-                # it. Keep both until the last such read returns.
-                keep = list(self._tensors.values())
-                pool.when_idle(lambda: _release(list(fds.values()), ring, keep))
-                self._broken = (
-                    "a read thread did not return within read_timeout and may still write "
-                    "into them; allocate a new SlabSet"
-                )
+            try:
+                # All of the release, even if cancelled meanwhile (the cancel is re-raised
+                # after it): leaving early leaked the fds and the I/O threads.
+                await _uncancellable(self._release_load(pool, fds, options))
+            except asyncio.CancelledError:
+                if loaded:  # every unit had landed; the cancel came while releasing
+                    self._finish("complete")
+                raise
         self._finish("complete")
         if progress is not None:
             progress(self.statistics())
         return self
+
+    async def _release_load(
+        self, pool: IoPool, fds: Mapping[int, int], options: LoadOptions
+    ) -> None:
+        drained = await pool.drain(options.read_timeout)
+        await pool.close(wait=drained)
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            self._staging_peak = ring.statistics().peak_in_use
+        if drained:
+            _release(list(fds.values()), ring)
+        else:
+            # A read stuck in a thread still reads its fd and writes into these slabs (or a
+            # staging buffer) when it wakes: closing the fd now would let an unrelated open
+            # reuse its number, and aclose() would free the memory under it. Keep both until
+            # the last such read returns.
+            keep = list(self._tensors.values())
+            pool.when_idle(lambda: _release(list(fds.values()), ring, keep))
+            self._broken = (
+                "a read thread did not return within read_timeout and may still write "
+                "into them; allocate a new SlabSet"
+            )
 
     def _finish(self, state: State, error: BaseException | None = None) -> None:
         self._state = state

@@ -32,7 +32,7 @@ def preadv_exact(fd: int, targets: Sequence[memoryview], offset: int, *, path: s
     done = 0
     index = 0
     skip = 0  # bytes of targets[index] already filled
-    while index < len(targets):
+    while done < total:  # not `index < len(targets)`: empty targets alone need no read
         batch = [targets[index][skip:], *targets[index + 1 : index + _IOV_MAX]]
         try:
             n = os.preadv(fd, batch, offset + done)
@@ -140,6 +140,26 @@ class IoPool:
             waiter.add_done_callback(_retrieve)
         _, still = await asyncio.wait(waiters, timeout=limit)
         return not still
+
+    def when_idle(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once every call still in a thread has returned (at once if
+        none is; else on the thread that finishes last)."""
+        pending = list(self._inflight)
+        if not pending:
+            callback()
+            return
+        lock = threading.Lock()
+        left = [len(pending)]
+
+        def one_done(_: object) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                callback()
+
+        for future in pending:
+            future.add_done_callback(one_done)
 
     async def close(self, wait: bool) -> None:
         """Stop the threads; with ``wait``, until they have exited (a thread stuck in a
