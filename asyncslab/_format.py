@@ -87,6 +87,7 @@ _ITEMSIZE: dict[str, int] = {st: dt.itemsize for st, dt in DTYPES.items()}
 # Packed sub-byte formats have no torch dtype whose element is one value; a route into a slab
 # could not express them without reinterpreting bytes, so they are refused by name.
 _SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
+_CANONICAL = ("dtype", "shape", "data_offsets")
 _ST_NAME: dict[torch.dtype, str] = {dt: st for st, dt in DTYPES.items()}
 
 
@@ -209,17 +210,21 @@ def parse_header(
             raise HeaderJSONError(
                 f"entry must be an object, got {type(pairs).__name__}", file=path, tensor=name
             )
-        info = dict(pairs)
-        if len(info) != len(pairs):
-            _as_dict(pairs, file=path, what=f"entry {name!r}")
-        try:
-            st = info["dtype"]
-            shape = info["shape"]
-            offsets = info["data_offsets"]
-        except KeyError as missing:
-            raise HeaderJSONError(
-                f"entry lacks {missing.args[0]!r}", file=path, tensor=name
-            ) from None
+        if len(pairs) == 3 and (pairs[0][0], pairs[1][0], pairs[2][0]) == _CANONICAL:
+            # The order every writer we know uses: no dict needed, no duplicates possible.
+            (_, st), (_, shape), (_, offsets) = pairs
+        else:
+            info = dict(pairs)
+            if len(info) != len(pairs):
+                _as_dict(pairs, file=path, what=f"entry {name!r}")
+            try:
+                st = info["dtype"]
+                shape = info["shape"]
+                offsets = info["data_offsets"]
+            except KeyError as missing:
+                raise HeaderJSONError(
+                    f"entry lacks {missing.args[0]!r}", file=path, tensor=name
+                ) from None
         itemsize = itemsizes.get(st) if type(st) is str else None
         if itemsize is None:
             sub_byte = type(st) is str and st in _SUB_BYTE  # a list or object is unhashable
