@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""asyncslab on one CUDA device: load bandwidth against measured pinned H2D bandwidth.
+
+Self-contained: ``PYTHONPATH=<repo> python benchmarks/gpu_bench.py``. Without a CUDA device
+it prints ``no CUDA device: skipped`` and exits 0 (it is safe to import anywhere).
+
+What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 20 GiB):
+
+1. generate a synthetic EXL3-like checkpoint of ``--size`` (pattern fill) under ``--dir``
+   (reused when a previous run left the same one), then read it once so it sits in the page
+   cache: the loads below measure page cache -> pinned staging -> device, not the disk;
+2. measure pinned host-to-device bandwidth with a plain copy (a pinned 1 GiB tensor
+   ``.to('cuda', non_blocking=True)``, CUDA events, median of ``--reps``);
+3. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then once per
+   ``--streams`` value; the old path (every per-expert tensor moved to the device on its
+   own and kept, then ``torch.stack`` per slab on the device) ``--old-runs`` times;
+4. check a sample of tensors byte for byte against ``safetensors`` ``get_tensor``;
+5. print one table, and write the report as JSON to ``--json FILE`` when given.
+
+Targets printed (never asserted): asyncslab >= 90 % of the measured pinned H2D bandwidth;
+peak device memory <= slab bytes + 1 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def parse_size(text: str) -> int:
+    match = re.match(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*$", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    number, prefix, binary, suffix = match.groups()
+    power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
+    base = 1000 if prefix and not binary and suffix else 1024
+    return int(float(number) * base**power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=parse_size, default=20 * GiB, help="checkpoint size (20GiB)")
+    p.add_argument("--dir", type=Path, default=Path("/tmp/asyncslab-gpu"), help="where to write")
+    p.add_argument("--cleanup", action="store_true", help="delete the checkpoint at the end")
+    p.add_argument("--runs", type=int, default=3, help="asyncslab loads with default options")
+    p.add_argument("--old-runs", type=int, default=1, help="old-path loads (0: skip)")
+    p.add_argument("--streams", default="1,2,4,8", help="streams sweep (comma-separated)")
+    p.add_argument("--reps", type=int, default=7, help="H2D copy repetitions")
+    p.add_argument("--verify", type=int, default=64, help="tensors compared per contender")
+    p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
+    p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    p.add_argument(
+        "--gen-workers",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+        help="processes writing shards in parallel (default: half the CPUs, at most 8)",
+    )
+    return p
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]:
+    from asyncslab._synthetic import spec_for_size
+
+    spec = spec_for_size(size)
+    target = root / f"ckpt-{size}"
+    marker = target / ".gpu-bench-spec"
+    if marker.exists() and marker.read_text() == repr(spec):
+        return target, {"reused": True, "seconds": 0.0}
+    free = shutil.disk_usage(root if root.exists() else root.parent).free
+    if size * 1.05 > free:
+        raise SystemExit(
+            f"not enough disk space under {root}: need ~{size / GiB:.1f} GiB, "
+            f"{free / GiB:.1f} GiB free (use --dir or a smaller --size)"
+        )
+    t = time.perf_counter()
+    from asyncslab._bench import write_synthetic_parallel
+
+    total = write_synthetic_parallel(target, spec, workers)
+    seconds = time.perf_counter() - t
+    marker.write_text(repr(spec))
+    return target, {
+        "reused": False,
+        "seconds": seconds,
+        "gbps": total / seconds / 1e9,
+        "bytes": total,
+        "workers": workers,
+    }
+
+
+def read_all(paths: list[Path]) -> tuple[int, float]:
+    buf = memoryview(bytearray(64 * MiB))
+    total = 0
+    t = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total, time.perf_counter() - t
+
+
+def h2d_bandwidth(torch: Any, device: str, reps: int) -> dict[str, Any]:
+    src = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    src.fill_(7)
+    times = []
+    for i in range(reps + 1):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst = src.to(device, non_blocking=True)
+        end.record()
+        end.synchronize()
+        if i:  # the first copy pays for allocation and warm-up
+            times.append(start.elapsed_time(end) / 1e3)
+        del dst
+    del src
+    torch.cuda.empty_cache()
+    median = statistics.median(times)
+    return {"seconds": times, "median_s": median, "gbps": GiB / median / 1e9}
+
+
+def sample_routes(plan: Any, k: int) -> list[Any]:
+    routes = plan.routes
+    step = max(1, len(routes) // max(1, k))
+    return list(routes[::step])[:k]
+
+
+def verify(plan: Any, get: Any, k: int) -> int:
+    import torch
+    from safetensors import safe_open
+
+    ok = 0
+    for route in sample_routes(plan, k):
+        with safe_open(str(route.file), framework="pt") as f:
+            expected = f.get_tensor(route.tensor)
+        got = get(route).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        want = expected.contiguous().reshape(-1).view(torch.uint8)
+        if got.shape != want.shape or not torch.equal(got, want):
+            raise AssertionError(f"{route.tensor}: device bytes differ from safetensors")
+        ok += 1
+    return ok
+
+
+def device_memory(torch: Any, device: str) -> dict[str, int]:
+    return {
+        "peak": torch.cuda.max_memory_allocated(device),
+        "final": torch.cuda.memory_allocated(device),
+        "reserved_peak": torch.cuda.max_memory_reserved(device),
+    }
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+def load_asyncslab(
+    torch: Any, ckpt: Any, plan: Any, device: str, streams: int | None, k: int
+) -> dict[str, Any]:
+    import asyncslab
+
+    options = asyncslab.LoadOptions() if streams is None else asyncslab.LoadOptions(streams=streams)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        t = time.perf_counter()
+        slabs = await asyncslab.load(ckpt, plan, device=device, options=options)
+        torch.cuda.synchronize(device)
+        out["seconds"] = time.perf_counter() - t
+        mem = device_memory(torch, device)
+        out["peak_bytes"] = mem["peak"] - base
+        out["final_bytes"] = mem["final"] - base
+        stats = slabs.statistics()
+        out["staging_budget"] = stats.staging_budget
+        out["staging_peak"] = stats.staging_peak
+        out["reads"] = stats.reads
+        out["verified"] = verify(plan, lambda r: slabs.view(r.tensor), k)
+        await slabs.aclose()
+
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+        out["loop"] = "uvloop"
+    except ImportError:
+        asyncio.run(main())
+        out["loop"] = "asyncio"
+    out["streams"] = options.streams
+    torch.cuda.empty_cache()
+    return out
+
+
+def load_old_path(torch: Any, ckpt: Any, plan: Any, device: str, k: int) -> dict[str, Any]:
+    """Every per-expert tensor moved to the device on its own and kept, then stacked per
+    slab (in slot order) on the device, then the per-expert tensors dropped."""
+    from collections import defaultdict
+
+    from safetensors import safe_open
+
+    by_slab: dict[str, list[Any]] = defaultdict(list)
+    by_file: dict[str, list[Any]] = defaultdict(list)
+    for r in plan.routes:
+        by_slab[r.slab].append(r)
+        by_file[str(r.file)].append(r)
+    for routes in by_slab.values():
+        routes.sort(key=lambda r: r.dst_offset)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    t = time.perf_counter()
+    per: dict[str, Any] = {}
+    for path, routes in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            for r in routes:
+                per[r.tensor] = f.get_tensor(r.tensor).to(device)
+    slabs: dict[str, Any] = {}
+    for name, spec in plan.slabs.items():
+        routes = by_slab[name]
+        if not spec.slot_dims:
+            slabs[name] = per[routes[0].tensor]
+        else:
+            slabs[name] = torch.stack([per[r.tensor] for r in routes]).view(spec.shape)
+    per.clear()
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t
+    mem = device_memory(torch, device)
+    out = {
+        "seconds": seconds,
+        "peak_bytes": mem["peak"] - base,
+        "final_bytes": mem["final"] - base,
+        "verified": verify(plan, lambda r: slabs[r.slab][r.slot], k),
+    }
+    slabs.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("no CUDA device: skipped (torch is not installed)")
+        return 0
+    if not torch.cuda.is_available():
+        print("no CUDA device: skipped")
+        return 0
+
+    import asyncslab
+
+    device = args.device
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "size": args.size,
+    }
+    t_all = time.perf_counter()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    _log(f"generating {args.size / GiB:.1f} GiB under {args.dir} ...")
+    root, gen = generate(args.dir, args.size, args.gen_workers)
+    report["generation"] = gen
+    _log(f"generation: {gen}")
+    ckpt = asyncslab.Checkpoint.open(root)
+    t = time.perf_counter()
+    plan = asyncslab.plan(ckpt)
+    report["plan_s"] = time.perf_counter() - t
+    slab_bytes = plan.nbytes
+    report["slab_bytes"] = slab_bytes
+    report["tensors"] = len(plan.routes)
+    n, s = read_all([Path(f.path) for f in ckpt.files])
+    report["page_cache_read"] = {"bytes": n, "seconds": s, "gbps": n / s / 1e9}
+    _log(f"page cache warm: {n / s / 1e9:.2f} GB/s")
+
+    h2d = h2d_bandwidth(torch, device, args.reps)
+    report["h2d"] = h2d
+    _log(f"pinned H2D: {h2d['gbps']:.2f} GB/s")
+
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, rec: dict[str, Any]) -> None:
+        rec["name"] = name
+        rec["gbps"] = slab_bytes / rec["seconds"] / 1e9
+        rec["of_h2d"] = rec["gbps"] / h2d["gbps"]
+        rows.append(rec)
+        _log(
+            f"{name}: {rec['seconds']:.3f} s, {rec['gbps']:.2f} GB/s "
+            f"({rec['of_h2d'] * 100:.0f} % of H2D), peak +{rec['peak_bytes'] / GiB:.2f} GiB"
+        )
+
+    for i in range(args.runs):
+        record(
+            f"asyncslab (default) #{i + 1}",
+            load_asyncslab(torch, ckpt, plan, device, None, args.verify),
+        )
+    for streams in [int(x) for x in args.streams.split(",") if x.strip()]:
+        record(
+            f"asyncslab streams={streams}",
+            load_asyncslab(torch, ckpt, plan, device, streams, args.verify),
+        )
+    for i in range(args.old_runs):
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < 2.2 * slab_bytes:
+            _log(f"old path skipped: needs ~{2 * slab_bytes / GiB:.1f} GiB of device memory")
+            break
+        record(f"old-path #{i + 1}", load_old_path(torch, ckpt, plan, device, args.verify))
+
+    report["rows"] = rows
+    default = [r for r in rows if r["name"].startswith("asyncslab (default)")]
+    med_s = statistics.median(r["seconds"] for r in default) if default else None
+    worst_peak = max((r["peak_bytes"] for r in default), default=None)
+    targets = []
+    if med_s:
+        gbps = slab_bytes / med_s / 1e9
+        targets.append(
+            {
+                "target": "asyncslab (default, median) >= 90 % of pinned H2D",
+                "measured": gbps / h2d["gbps"],
+                "ok": gbps >= 0.9 * h2d["gbps"],
+            }
+        )
+    if worst_peak is not None:
+        targets.append(
+            {
+                "target": "asyncslab peak device memory <= slab bytes + 1 %",
+                "measured": worst_peak / slab_bytes,
+                "ok": worst_peak <= slab_bytes * 1.01,
+            }
+        )
+    report["targets"] = targets
+    report["total_s"] = time.perf_counter() - t_all
+
+    lines = [
+        f"gpu_bench: {report['device']}, torch {report['torch']}, {report['cpus']} CPUs; "
+        f"checkpoint {args.size / GiB:.1f} GiB ({len(ckpt.files)} files), slabs "
+        f"{slab_bytes / GiB:.2f} GiB, {len(plan.routes)} tensors; generation "
+        + ("reused" if gen["reused"] else f"{gen['seconds']:.1f} s ({gen['gbps']:.2f} GB/s)"),
+        f"pinned H2D (1 GiB, median of {args.reps}): {h2d['gbps']:.2f} GB/s; page cache read "
+        f"{report['page_cache_read']['gbps']:.2f} GB/s",
+        "",
+        f"{'contender':<28}{'s':>8}{'GB/s':>8}{'of H2D':>8}{'peak GiB':>10}{'final GiB':>11}"
+        f"{'peak/slabs':>12}{'verified':>10}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['name']:<28}{r['seconds']:>8.3f}{r['gbps']:>8.2f}{r['of_h2d'] * 100:>7.0f}%"
+            f"{r['peak_bytes'] / GiB:>10.2f}{r['final_bytes'] / GiB:>11.2f}"
+            f"{r['peak_bytes'] / slab_bytes:>12.3f}{r['verified']:>10}"
+        )
+    lines.append("")
+    for tgt in targets:
+        lines.append(f"{'PASS' if tgt['ok'] else 'MISS'}  {tgt['target']}: {tgt['measured']:.3f}")
+    lines.append(f"total {report['total_s']:.0f} s")
+    print("\n".join(lines), flush=True)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    if args.cleanup:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Smoke tests of ``asyncslab bench`` and ``benchmarks/gpu_bench.py``: they run, print what
+they promise and write parseable JSON. No timing is asserted (shared machines are noisy)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import asyncslab
+from asyncslab import _bench
+from asyncslab._bench import CONTENDERS, parse_size, write_many_small
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    _bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One tiny in-process run of every contender, table and JSON kept for the tests."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("bench")
+    out = root / "out.json"
+    args = bench_args(
+        *"--size 4MiB --runs 1 --mode warm-fresh --in-process --verify 4".split(),
+        *("--dir", str(root / "work"), "--json", str(out)),
+    )
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = _bench.run(args)
+    return {
+        "code": code,
+        "table": stdout.getvalue(),
+        "log": stderr.getvalue(),
+        "json": json.loads(out.read_text()),
+        "work": root / "work",
+    }
+
+
+def test_run_prints_every_contender(smoke: dict[str, Any]) -> None:
+    assert smoke["code"] == 0, smoke["log"]
+    table = smoke["table"]
+    for name in CONTENDERS:
+        assert name in table, name
+    assert "mode warm-fresh" in table
+    assert "targets" in table
+    assert "PASS" in table or "MISS" in table
+
+
+def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> None:
+    report = smoke["json"]
+    records = report["records"]
+    measured = {r["contender"]: r for r in records if "seconds" in r}
+    expected = {c for c in CONTENDERS if c not in _bench.PEERS}
+    assert expected <= set(measured), sorted(expected - set(measured))
+    for rec in measured.values():
+        assert rec["seconds"] > 0
+        assert rec["mode"] == "warm-fresh"
+        assert rec["run"] == 1
+    assert len({rec["bytes"] for rec in measured.values()}) == 1
+    assert measured["asyncslab"]["bytes"] == report["checkpoint"]["slab_bytes"]
+    # Contenders that produce slabs checked a sample of them against safetensors.
+    for name in ("old-path", "old-path-mmap", "direct-copy", "asyncslab", "bound-1", "bound-N"):
+        assert measured[name]["verified"] > 0, name
+    assert measured["asyncslab"]["lag_ms"]["n"] >= 0
+    for peer in _bench.PEERS:
+        peer_recs = [r for r in records if r["contender"] == peer]
+        if importlib.util.find_spec(_bench.PEERS[peer]) is None:
+            assert peer_recs == []
+            assert peer in smoke["table"]
+    assert {t["target"] for t in report["targets"]}
+
+
+def test_generated_checkpoint_is_removed_without_keep(smoke: dict[str, Any]) -> None:
+    assert smoke["work"].exists()
+    assert not list(smoke["work"].glob("asyncslab-bench-*"))
+
+
+def test_contender_runs_in_a_fresh_process(tmp_path: Path) -> None:
+    out = tmp_path / "one.json"
+    args = bench_args(
+        *"--size 2MiB --runs 1 --mode warm-fresh --contenders asyncslab --verify 2".split(),
+        *("--dir", str(tmp_path), "--json", str(out)),
+    )
+    assert _bench.run(args) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["contender"] == "asyncslab"
+    assert rec["seconds"] > 0
+    assert rec["pid"] != __import__("os").getpid()
+    assert rec["peak_growth"] >= 0
+
+
+def test_refuses_sizes_that_do_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(_bench.shutil, "disk_usage", lambda _p: usage._replace(free=100 << 20))
+    args = bench_args("--size", "3GiB", "--dir", str(tmp_path))
+    assert _bench.run(args) == 2
+    assert "not enough disk space" in capsys.readouterr().err
+
+
+def test_parse_size() -> None:
+    assert parse_size("3GiB") == 3 << 30
+    assert parse_size("4MiB") == 4 << 20
+    assert parse_size("4M") == 4 << 20
+    assert parse_size("1GB") == 10**9
+    assert parse_size("1.5KiB") == 1536
+    assert parse_size("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size("lots")
+
+
+def test_many_small_builder_opens_everywhere(tmp_path: Path) -> None:
+    fixture = write_many_small(tmp_path, 2000)
+    ckpt = asyncslab.Checkpoint.open(fixture.path)
+    assert len(ckpt) == 2000
+    with safe_open(str(fixture.path), framework="pt") as f:
+        keys = list(f.keys())
+        assert len(keys) == 2000
+        first = f.get_tensor(keys[0])
+        assert first.dtype == torch.float32
+        assert first.nbytes == 4096
+    dense = asyncslab.plan(ckpt, [asyncslab.Dense()])
+    assert len(dense.slabs) == 2000
+    stacked = asyncslab.plan(ckpt, [asyncslab.Stack(fixture.stack_pattern)])
+    assert len(stacked.slabs) == fixture.groups
+    assert stacked.nbytes == fixture.nbytes == 2000 * 4096
+
+
+def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "small.json"
+    args = bench_args(
+        *"--many-small --many-small-count 2000 --runs 1 --in-process --verify 2".split(),
+        *("--dir", str(tmp_path), "--json", str(out)),
+    )
+    assert _bench.run(args) == 0
+    table = capsys.readouterr().out
+    for heading in ("tensors/s", "plan dense", "plan stack"):
+        assert heading in table
+    records = json.loads(out.read_text())["records"]
+    for plan in ("dense", "stack"):
+        got = {r["contender"] for r in records if r["plan"] == plan and r.get("seconds", 0) > 0}
+        assert {"asyncslab", "old-path", "direct-copy"} <= got
+        assert {r["tensors"] for r in records if r["plan"] == plan} == {2000}
+
+
+def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present; gpu_bench would run for minutes")
+    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main([]) == 0
+    assert "no CUDA device: skipped" in capsys.readouterr().out
+
+
+def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
+    spec = asyncslab.SyntheticSpec()
+    reference = asyncslab.write_synthetic(tmp_path / "a", spec)
+    total = _bench.write_synthetic_parallel(tmp_path / "b", spec, workers=1)
+    assert total == reference.total_bytes
+    names = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
+    for name in names:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
