@@ -50,9 +50,9 @@ ProgressCallback = Callable[["LoadStatistics"], None]
 class LoadOptions:
     """How a load runs. The defaults suit a server start; benchmarks sweep them.
 
-    ``io_workers``: positional reads in flight (CPU target). ``read_size``: target size of
-    one coalesced read. ``coalesce_gap``: largest gap between two tensors read through
-    rather than split into two reads. ``staging_bytes`` / ``staging_buffers``: the pinned
+    ``io_workers``: positional reads in flight (CPU target), run by at most one thread per
+    CPU. ``read_size``: target size of one coalesced read. ``coalesce_gap``: largest gap
+    between two tensors read through rather than split into two reads. ``staging_bytes`` / ``staging_buffers``: the pinned
     ring of a CUDA target (one read in flight per buffer). ``streams``: CUDA copy streams.
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
@@ -195,6 +195,7 @@ class SlabSet:
 
     @property
     def state(self) -> State:
+        self._settle()
         return self._state
 
     @property
@@ -237,6 +238,7 @@ class SlabSet:
         the running load fails (its error is the ``__cause__``).
         """
         self._check_open()
+        self._settle()
         units = list(self.plan.units) if unit is None else [unit]
         for u in units:
             if self._state != "loading":
@@ -244,6 +246,7 @@ class SlabSet:
             await self._tracker.wait(u)
 
     def statistics(self) -> LoadStatistics:
+        self._settle()
         staging = self._ring.statistics() if self._ring is not None else None
         return LoadStatistics(
             state=self._state,
@@ -276,6 +279,7 @@ class SlabSet:
     def reset(self) -> None:
         """Mark every unit incomplete; keeps every allocation (pointers stay valid)."""
         self._check_open()
+        self._settle()
         if self._state == "loading":
             raise LoadError("cannot reset while a load is running")
         self._tracker.reset()
@@ -383,23 +387,31 @@ class SlabSet:
         generation = self._generation
 
         def settle(task: asyncio.Task[SlabSet]) -> None:
-            # Cancelled before its first step, the task never ran _run's cleanup: end the
-            # load here, or the SlabSet would stay "loading" (refusing every later load)
-            # and ready() would wait forever.
-            if task.cancelled() and self._generation == generation and self._state == "loading":
-                self._finish("cancelled", asyncio.CancelledError())
+            if self._generation == generation:  # not a later load's
+                self._settle(task)
 
+        # Wakes ready() waiters of a load whose task never ran; _settle() in the accessors
+        # covers the moment between the task's end and this callback.
         task.add_done_callback(settle)
         return task
 
+    def _settle(self, task: asyncio.Task[SlabSet] | None = None) -> None:
+        """End a load whose task is done but never ran: cancelled before its first step, it
+        skipped _run, whose cleanup sets the state. Else the SlabSet would stay "loading",
+        refusing every later load, and ready() would wait forever."""
+        task = task or self._task
+        if self._state == "loading" and task is not None and task.done():
+            self._finish("cancelled", asyncio.CancelledError())
+
     def _begin(self, checkpoint: Checkpoint, plan: Plan | None) -> None:
         self._check_open()
+        self._settle()
         if self._broken is not None:
             raise LoadError(f"these slabs cannot be reused: {self._broken}")
         if self._state == "loading":
             raise LoadError("a load into these slabs is already running")
         plan = plan or self.plan
-        if plan.layout_fingerprint != self.plan.layout_fingerprint:
+        if plan is not self.plan and plan.layout_fingerprint != self.plan.layout_fingerprint:
             raise PlanError(
                 "plan's slab layout differs from the one these slabs were allocated for "
                 f"({plan.layout_fingerprint} vs {self.plan.layout_fingerprint})"
@@ -432,12 +444,16 @@ class SlabSet:
         cuda = self.device.type == "cuda"
         staged = cuda or options.cpu_staged
         read_size = options.staging_bytes // options.staging_buffers if staged else options.read_size
-        sched = schedule(plan, max_read=read_size, gap=options.coalesce_gap)
         workers = options.staging_buffers if staged else options.io_workers
-        pool = IoPool(workers)
+        # More threads than cores only made the loop wait for a core (lag grew with the
+        # thread count on 2 cores); reads beyond the threads wait in the pool's queue, ready
+        # the moment a thread frees up.
+        pool = IoPool(min(workers, os.cpu_count() or 1))
         fds: dict[int, int] = {}
         loaded = False
         try:
+            # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
+            sched = await pool.run(schedule, plan, max_read=read_size, gap=options.coalesce_gap)
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
             copier: Copier | None = None
