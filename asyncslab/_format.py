@@ -527,7 +527,7 @@ def _read_index(index_path: Path) -> dict[str, str]:
 def _check_inside(root: Path, name: str, index_path: Path | None) -> Path:
     where = index_path if index_path is not None else root / name
     pure = Path(name)
-    if pure.is_absolute() or ".." in pure.parts or name == "":
+    if pure.is_absolute() or ".." in pure.parts or name == "" or "\x00" in name:
         raise UnsafePathError(
             f"file name {name!r} must be relative and stay inside {root}", file=where
         )

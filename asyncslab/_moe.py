@@ -29,7 +29,7 @@ from ._errors import (
     UnmatchedTensorError,
 )
 from ._format import Checkpoint, TensorInfo, safetensors_dtype
-from ._plan import Claim, Route, SlabSpec, make_route, mode_shape
+from ._plan import Claim, Route, SlabSpec, index_number, make_route, mode_shape
 
 __all__ = ["ExpertPartition", "TieredMoE", "load_tier_map", "EXL3_EXPERT_PATTERN"]
 
@@ -67,10 +67,8 @@ class ExpertPartition:
                 where.setdefault(expert, (name, offset))
         problems = []
         if duplicated:
-            problems.append(
-                "experts in more than one place: "
-                + _listing(f"{e} ({', '.join(dict.fromkeys(g))})" for e, g in sorted(duplicated.items()))
-            )
+            places = (f"{e} ({', '.join(dict.fromkeys(g))})" for e, g in sorted(duplicated.items()))
+            problems.append("experts in more than one place: " + _listing(places))
         if experts is not None:
             universe = set(experts)
             missing = sorted(universe - where.keys())
@@ -205,13 +203,14 @@ class TieredMoE:
                     tensor=name,
                 )
             rank = m.groupdict().get("rank")
-            by_layer[int(m.group("layer"))].append(
+            layer = index_number(m.group("layer"), "layer", info)
+            by_layer[layer].append(
                 _Expert(
                     info,
-                    int(m.group("layer")),
-                    int(m.group("expert")),
+                    layer,
+                    index_number(m.group("expert"), "expert", info),
                     proj,
-                    int(rank) if rank is not None else None,
+                    index_number(rank, "rank", info) if rank is not None else None,
                     suffix,
                     m.group("prefix"),
                 )
@@ -227,6 +226,17 @@ class TieredMoE:
         skipped: list[str] = []
         own = self._select_rank(by_layer, skipped)
         extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
+        if self.n_experts is None and self.tier_map is None:
+            for layer, items in own.items():
+                present = len({t.expert for t in items})
+                if extent[layer] > 2 * present + 64:
+                    # Inferring the expert count from the largest id would make a stray
+                    # id like 10**20 allocate a partition that size.
+                    raise PartitionError(
+                        f"layer {layer}: expert ids run to {extent[layer] - 1}, but only "
+                        f"{present} experts are present; pass n_experts= or a tier map",
+                        layer=layer,
+                    )
         if self.owns is not None:
             owns = self.owns
             for layer, items in own.items():
@@ -372,7 +382,8 @@ class TieredMoE:
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
         partition = self._partition(layer, items, extent)
         prefix = items[0].prefix
-        placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]] = defaultdict(list)
+        placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
+        placed = defaultdict(list)
         present: set[tuple[int, str, str]] = set()
         for t in items:
             if t.suffix in self.markers:

@@ -188,6 +188,16 @@ def make_route(
     )
 
 
+def index_number(text: str, what: str, info: TensorInfo) -> int:
+    """A layer, expert or rank number from a tensor name, refusing absurd ones (Python's
+    int() refuses over 4,300 digits with a bare ValueError; far fewer are already wrong)."""
+    if len(text) > 9:
+        raise PlanError(
+            f"{what} number {text[:20]}... is too large", file=info.file, tensor=info.name
+        )
+    return int(text)
+
+
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 

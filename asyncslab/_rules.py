@@ -10,9 +10,18 @@ from pathlib import Path
 
 import torch
 
-from ._errors import DtypeMismatchError, PlanError
+from ._errors import CoverageError, DtypeMismatchError, PlanError
 from ._format import Checkpoint, TensorInfo, safetensors_dtype
-from ._plan import Claim, Route, Rule, SlabSpec, make_route, mode_shape, unit_of_layer
+from ._plan import (
+    Claim,
+    Route,
+    Rule,
+    SlabSpec,
+    index_number,
+    make_route,
+    mode_shape,
+    unit_of_layer,
+)
 
 __all__ = ["Dense", "Stack", "RowSlice", "default_rules"]
 
@@ -69,13 +78,19 @@ class Stack:
                 continue
             start, end = match.span("index")
             key = name[:start] + "*" + name[end:]
-            members[key].append((int(match.group("index")), info))
+            members[key].append((index_number(match.group("index"), "index", info), info))
         slabs: list[SlabSpec] = []
         routes: list[Route] = []
         for key, items in sorted(members.items()):
             dtype = self.dtype if self.dtype is not None else _agreed_dtype(key, items)
             shape = mode_shape(info.shape for _, info in items)
             extent = max(i for i, _ in items) + 1
+            if extent > 2 * len(items) + 64:  # a stray huge index would allocate its size
+                raise CoverageError(
+                    f"stacked slab {key!r}: indices run to {extent - 1}, but only {len(items)} "
+                    "tensors are present",
+                    tensor=items[0][1].name,
+                )
             spec = SlabSpec(key, self.unit or key, dtype, (extent,), shape, {"kind": "stack"})
             slabs.append(spec)
             routes.extend(make_route(info, spec, (i,), layer=i) for i, info in items)

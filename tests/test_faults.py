@@ -1,0 +1,793 @@
+"""Faults injected *during* a load, cancellation at random points, concurrent loads, leaks.
+
+``test_load.py`` covers the single cases (one EIO + retry, truncation or rewrite after
+planning, a stalled read, one mid-load cancel, duplicate landing); this file injects faults
+at random points through the real read path (``os.preadv`` as ``asyncslab._read`` sees it),
+between the loader's stat check and its reads, and cancels loads at seeded random points,
+checking after each that no thread still writes, no fd leaked, units are all-or-nothing,
+and the next load is bit-exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import gc
+import os
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import io_threads, open_fds, raw_bytes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+import asyncslab
+from asyncslab import (
+    Checkpoint,
+    IncompleteLoadError,
+    LoadOptions,
+    ReadError,
+    SlabSet,
+    SyntheticSpec,
+    _loader,
+    load,
+    plan,
+    write_synthetic,
+)
+from asyncslab import _read as read_module
+from asyncslab._read import preadv_exact
+
+CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
+# Many small reads: every load below takes dozens of awaits, so faults and cancellations
+# land in the middle of it.
+SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
+
+
+# --- fixtures and helpers ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+    """~300 KB, three shards, experts straddling them. Read-only."""
+    spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    return write_synthetic(tmp_path_factory.mktemp("small"), spec)
+
+
+@pytest.fixture
+def fresh_small(tmp_path: Path) -> asyncslab.SyntheticCheckpoint:
+    """A small checkpoint the test may damage."""
+    spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    return write_synthetic(tmp_path / "ckpt", spec)
+
+
+_EXPECTED: dict[Path, dict[str, torch.Tensor]] = {}
+
+
+def expected_bytes(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Raw bytes of every tensor as the reference reads them (cached per checkpoint)."""
+    key = ckpt.root.resolve()
+    if key not in _EXPECTED:
+        out = {}
+        for shard in ckpt.files:
+            with safe_open(shard.path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    out[name] = raw_bytes(f.get_tensor(name)).clone()
+        _EXPECTED[key] = out
+    return _EXPECTED[key]
+
+
+def assert_units_all_or_nothing(slabs: SlabSet, ckpt: Checkpoint) -> tuple[int, int]:
+    """Each unit is either complete — every slab handed out, every tensor bit-exact — or
+    refused through every accessor. Returns (complete, incomplete) unit counts."""
+    expected = expected_bytes(ckpt)
+    p = slabs.plan
+    done = slabs.statistics().unit_completed_at
+    routes_of: dict[str, list[asyncslab.Route]] = {u: [] for u in p.units}
+    for r in p.routes:
+        routes_of[r.unit].append(r)
+    complete = incomplete = 0
+    for unit, names in p.units.items():
+        if unit in done:
+            complete += 1
+            for name in names:
+                slabs.slab(name)
+            for r in routes_of[unit]:
+                assert torch.equal(raw_bytes(slabs.view(r.tensor)), expected[r.tensor]), r.tensor
+        else:
+            incomplete += 1
+            for name in names:
+                with pytest.raises(IncompleteLoadError, match=unit):
+                    slabs.slab(name)
+                with pytest.raises(IncompleteLoadError):
+                    slabs.slabs[name]
+            for r in routes_of[unit]:
+                with pytest.raises(IncompleteLoadError):
+                    slabs.view(r.tensor)
+                with pytest.raises(IncompleteLoadError):
+                    slabs.slot(r.slab, r.slot)
+    assert complete == slabs.statistics().units_complete
+    return complete, incomplete
+
+
+def assert_bit_exact(slabs: SlabSet, ckpt: Checkpoint) -> None:
+    assert slabs.state == "complete"
+    complete, incomplete = assert_units_all_or_nothing(slabs, ckpt)
+    assert incomplete == 0
+    assert complete == len(slabs.plan.units)
+
+
+async def wait_io_threads_gone(limit: float = 3.0) -> list[threading.Thread]:
+    """I/O threads exit shortly after a load returns; allow them a bounded moment."""
+    deadline = time.monotonic() + limit
+    while io_threads() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling threads
+        await asyncio.sleep(0.005)
+    return io_threads()
+
+
+class FakeOs:
+    """Stands in for ``os`` inside ``asyncslab._read``: ``preadv`` goes through ``hook``;
+    counts calls and reads in flight (so a test can assert none is left writing)."""
+
+    def __init__(self, hook: Callable[[int, Sequence[memoryview], int], int] | None = None):
+        self.hook = hook or os.preadv
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.started_after_error = 0
+        self.error_at: float | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        with self.lock:
+            self.calls += 1
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            if self.error_at is not None:
+                self.started_after_error += 1
+        try:
+            return self.hook(fd, buffers, offset)
+        except OSError:
+            with self.lock:
+                if self.error_at is None:
+                    self.error_at = time.monotonic()
+            raise
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+@pytest.fixture
+def fake_os(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeOs]]:
+    def install(hook: Callable[[int, Sequence[memoryview], int], int] | None = None) -> FakeOs:
+        fake = FakeOs(hook)
+        monkeypatch.setattr(read_module, "os", fake)
+        return fake
+
+    return install
+
+
+def path_of(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def trimmed(buffers: Sequence[memoryview], limit: int) -> list[memoryview]:
+    """The first ``limit`` bytes of ``buffers`` (a short read asks for no more)."""
+    out = []
+    for b in buffers:
+        if limit <= 0:
+            break
+        out.append(b[:limit])
+        limit -= len(out[-1])
+    return out
+
+
+# --- a file changes between the loader's stat check and its reads ------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("keep", ["nothing", "header", "half", "all-but-one"])
+async def test_truncated_between_stat_check_and_read(
+    fresh_small: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, keep: str
+) -> None:
+    ckpt = Checkpoint.open(fresh_small.root)
+    expected_bytes(ckpt)  # before the damage
+    p = plan(ckpt)
+    victim = ckpt.files[1]
+    size = {
+        "nothing": 0,
+        "header": victim.data_start,
+        "half": (victim.data_start + victim.size) // 2,
+        "all-but-one": victim.size - 1,
+    }[keep]
+    original = _loader._open_checked
+
+    def open_then_truncate(path: os.PathLike[str], *args: Any) -> int:
+        fd = original(path, *args)  # the size/inode/mtime check passed
+        if Path(path) == victim.path:
+            os.truncate(path, size)
+        return fd
+
+    monkeypatch.setattr(_loader, "_open_checked", open_then_truncate)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    with pytest.raises(ReadError, match="ended early") as info:
+        await slabs.load(ckpt, options=SMALL)
+    assert info.value.file == str(victim.path)
+    assert victim.path.name in str(info.value)
+    assert info.value.details["offset"] >= victim.data_start
+    assert slabs.statistics().state == "failed"
+    assert "ended early" in (slabs.statistics().error or "")
+    assert_units_all_or_nothing(slabs, ckpt)
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+    # The next load notices the size change before reading anything.
+    monkeypatch.undo()
+    with pytest.raises(asyncslab.FileChangedError, match=victim.path.name):
+        await slabs.load(ckpt, options=SMALL)
+    await slabs.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["deleted", "renamed-away", "replaced", "directory", "fifo"])
+async def test_file_gone_or_replaced_after_planning(
+    fresh_small: asyncslab.SyntheticCheckpoint, how: str
+) -> None:
+    ckpt = Checkpoint.open(fresh_small.root)
+    p = plan(ckpt)
+    victim = ckpt.files[2].path
+    data = victim.read_bytes()
+    victim.unlink()
+    if how == "renamed-away":
+        (victim.parent / "elsewhere.bin").write_bytes(data)
+    elif how == "replaced":  # same bytes and size, another inode
+        victim.write_bytes(data)
+    elif how == "directory":
+        victim.mkdir()
+    elif how == "fifo":  # opening a FIFO for reading blocks until a writer comes: never
+        os.mkfifo(victim)
+    fds = open_fds()
+    with pytest.raises((ReadError, asyncslab.FileChangedError)) as info:
+        await load(ckpt, p, options=SMALL)
+    assert info.value.file == str(victim)
+    if how in ("deleted", "renamed-away"):
+        assert isinstance(info.value, ReadError)
+        assert isinstance(info.value.__cause__, FileNotFoundError)
+    else:
+        assert isinstance(info.value, asyncslab.FileChangedError)
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_file_unlinked_after_open_still_loads(
+    fresh_small: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # POSIX: an open fd keeps the inode; once the loader holds it, deleting the name is
+    # harmless and the load stays bit-exact.
+    ckpt = Checkpoint.open(fresh_small.root)
+    expected_bytes(ckpt)
+    p = plan(ckpt)
+    original = _loader._open_checked
+
+    def open_then_unlink(path: os.PathLike[str], *args: Any) -> int:
+        fd = original(path, *args)
+        os.unlink(path)
+        return fd
+
+    monkeypatch.setattr(_loader, "_open_checked", open_then_unlink)
+    slabs = await load(ckpt, p, options=SMALL)
+    assert_bit_exact(slabs, ckpt)
+    assert not any(f.path.exists() for f in ckpt.files)
+    await slabs.aclose()
+
+
+# --- short reads ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["random", "half-then-rest", "one-byte-first"])
+async def test_short_reads_still_land_bit_exact(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], policy: str
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    rng = random.Random(1234)
+    short = 0
+    retries: set[tuple[int, int]] = set()  # (fd, offset) where a short read resumes
+    lock = threading.Lock()
+
+    def partial(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        nonlocal short
+        total = sum(len(b) for b in buffers)
+        with lock:
+            resumed = (fd, offset) in retries
+            retries.discard((fd, offset))
+            if policy == "random":
+                limit = rng.randint(1, total)
+            elif policy == "half-then-rest":  # the resumed read gets all the rest at once
+                limit = total if resumed else max(1, total // 2)
+            else:
+                limit = total if resumed else 1
+        n = os.preadv(fd, trimmed(buffers, limit), offset)
+        with lock:
+            if n < total:
+                short += 1
+                retries.add((fd, offset + n))
+        return n
+
+    fake = fake_os(partial)
+    slabs = await load(ckpt, p, options=SMALL)
+    assert short > 10
+    assert fake.calls > slabs.statistics().reads
+    assert_bit_exact(slabs, ckpt)
+    await slabs.aclose()
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    sizes=st.lists(st.integers(0, 64), min_size=0, max_size=40)
+    | st.tuples(st.integers(1000, 1300), st.integers(0, 2**32)).map(  # > IOV_MAX targets
+        lambda n_seed: [random.Random(n_seed[1]).randrange(4) for _ in range(n_seed[0])]
+    ),
+    offset=st.integers(0, 50),
+    cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20),
+)
+def test_property_preadv_exact_partial_reads(
+    sizes: list[int], offset: int, cuts: list[float], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Whatever short counts ``preadv`` returns, every target ends up with its bytes."""
+    total = sum(sizes)
+    data = random.Random(total).randbytes(offset + total)
+    path = tmp_path_factory.getbasetemp() / "preadv.bin"
+    path.write_bytes(data)
+    calls = iter(cuts * (total + 2))
+
+    def partial(fd: int, buffers: Sequence[memoryview], at: int) -> int:
+        want = sum(len(b) for b in buffers)
+        return os.preadv(fd, trimmed(buffers, max(1, round(next(calls) * want))), at)
+
+    targets = [memoryview(bytearray(n)) for n in sizes]
+    fd = os.open(path, os.O_RDONLY)
+    saved = read_module.os
+    read_module.os = FakeOs(partial)  # type: ignore[assignment]
+    try:
+        assert preadv_exact(fd, targets, offset, path=str(path)) == total
+    finally:
+        read_module.os = saved  # type: ignore[assignment]
+        os.close(fd)
+    assert b"".join(bytes(t) for t in targets) == data[offset:]
+
+
+# --- I/O errors ------------------------------------------------------------------------------
+
+
+def _count_reads(ckpt: Checkpoint, p: asyncslab.Plan, options: LoadOptions) -> int:
+    from asyncslab._schedule import schedule
+
+    return len(schedule(p, max_read=options.read_size, gap=options.coalesce_gap).ops)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("seed", range(6))
+async def test_eio_on_a_random_read(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], seed: int
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    n_reads = _count_reads(ckpt, p, SMALL)
+    assert n_reads > 40
+    fail_at = random.Random(seed).randrange(1, n_reads + 1)
+    count = 0
+    lock = threading.Lock()
+
+    def eio_once(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        nonlocal count
+        with lock:
+            count += 1
+            mine = count
+        if mine == fail_at:
+            raise OSError(errno.EIO, "Input/output error")
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(eio_once)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    with pytest.raises(ReadError, match="Input/output error") as info:
+        await slabs.load(ckpt, options=SMALL)
+    err = info.value
+    assert isinstance(err.__cause__, OSError)
+    assert err.__cause__.errno == errno.EIO
+    assert err.file in {str(f.path) for f in ckpt.files}
+    assert isinstance(err.details.get("offset"), int)
+    assert fake.in_flight == 0  # nothing still writing once the load has raised
+    stats = slabs.statistics()
+    assert stats.state == "failed"
+    assert "Input/output error" in (stats.error or "")
+    complete, incomplete = assert_units_all_or_nothing(slabs, ckpt)
+    assert incomplete >= 1
+    # The unit holding the failed read's bytes is among the incomplete ones.
+    hit = {
+        r.unit
+        for r in p.routes
+        if str(r.file) == err.file
+        and r.src_offset <= err.details["offset"] < r.src_offset + max(r.nbytes, 1)
+    }
+    assert hit
+    assert not hit & set(stats.unit_completed_at)
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+    fake.hook = os.preadv
+    await slabs.load(ckpt, options=SMALL)
+    assert_bit_exact(slabs, ckpt)
+    await slabs.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_error_in_one_file_while_others_are_in_flight(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    victim = str(ckpt.files[1].path)
+    victim_reads = 0
+    in_flight_at_error: list[int] = []
+
+    def slow_reads_failing_victim(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        nonlocal victim_reads
+        if path_of(fd) == victim:
+            victim_reads += 1
+            if victim_reads == 3:
+                time.sleep(0.02)
+                in_flight_at_error.append(fake.in_flight)
+                raise OSError(errno.EIO, "Input/output error")
+        time.sleep(0.01)
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(slow_reads_failing_victim)
+    slabs = SlabSet(p)
+    waiters = {u: asyncio.ensure_future(slabs.ready(u)) for u in p.units}
+    task = slabs.start(ckpt, options=SMALL)
+    try:
+        with pytest.raises(ReadError) as info:
+            await task
+    finally:
+        await asyncio.gather(*waiters.values(), return_exceptions=True)
+    err = info.value
+    # The first error is the one reported, with its file and offset and the OSError.
+    assert err.file == victim
+    assert isinstance(err.details["offset"], int)
+    assert isinstance(err.__cause__, OSError)
+    assert err.__cause__.errno == errno.EIO
+    assert in_flight_at_error
+    assert in_flight_at_error[0] > 1
+    # The rest were cancelled: the schedule stopped (few reads started after the error),
+    # and no thread is still writing once the load has raised.
+    assert fake.in_flight == 0
+    assert fake.started_after_error <= SMALL.io_workers
+    assert fake.calls < _count_reads(ckpt, p, SMALL)
+    stats = slabs.statistics()
+    assert stats.state == "failed"
+    complete, incomplete = assert_units_all_or_nothing(slabs, ckpt)
+    assert incomplete >= 1
+    # Waiters of incomplete units learn of the failure (its cause attached); the others
+    # returned normally.
+    for unit, waiter in waiters.items():
+        if unit in stats.unit_completed_at:
+            await waiter
+        else:
+            with pytest.raises(IncompleteLoadError, match="load failed") as winfo:
+                await waiter
+            assert winfo.value.__cause__ is err
+    await slabs.aclose()
+    assert await wait_io_threads_gone() == []
+
+
+# --- cancellation ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("via", ["task.cancel", "task.cancel+spin", "aclose"])
+async def test_cancel_before_the_load_task_first_runs(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, via: str
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    slabs = SlabSet(p)
+    task = slabs.start(ckpt, options=SMALL)
+    if via == "aclose":
+        await slabs.aclose()
+        assert task.cancelled()
+        return
+    task.cancel()  # before the event loop ever ran it
+    if via == "task.cancel+spin":
+        # The task ends on the next iteration; awaiting it then returns at once, before
+        # its done-callbacks ran: the state must already say so.
+        await asyncio.sleep(0)
+        assert task.done()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert slabs.state == "cancelled"
+    with pytest.raises(IncompleteLoadError):
+        await slabs.ready()
+    await slabs.load(ckpt, options=SMALL)  # not stuck in "already running"
+    assert_bit_exact(slabs, ckpt)
+    await slabs.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_aclose_while_awaited_load_runs(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+) -> None:
+    # aclose() must stop a load that another task runs with ``await slabs.load()`` (not
+    # only one begun with start()), and must not free the slabs under its reads.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+
+    def slow(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        time.sleep(0.005)
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(slow)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    loader = asyncio.ensure_future(slabs.load(ckpt, options=SMALL))
+    while slabs.statistics().tensors_landed == 0:  # noqa: ASYNC110
+        await asyncio.sleep(0.001)
+    await slabs.aclose()
+    assert fake.in_flight == 0
+    assert loader.done()
+    with pytest.raises((asyncslab.ClosedError, asyncio.CancelledError)):
+        await loader
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+
+
+async def _cancel_somewhere(
+    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str
+) -> None:
+    """One load, cancelled at a random point (it may finish first)."""
+
+    async def spin(n: int) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    # Some right at the start (before the task ran, before a thread started), the rest
+    # spread over a paced load (~5-15 ms; an idle loop iteration takes ~5-10 us) and a
+    # little past it.
+    iterations = rng.randrange(4) if rng.random() < 0.2 else rng.randrange(3000)
+    delay = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.02)
+    if mode == "task.cancel":
+        task = slabs.start(ckpt, options=SMALL)
+        await spin(iterations)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
+        task = slabs.start(ckpt, options=SMALL)
+        k = rng.randrange(1, len(slabs.plan.routes))
+        while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "delay":
+        task = slabs.start(ckpt, options=SMALL)
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "double-cancel":  # a second cancel lands while the load drains
+        task = slabs.start(ckpt, options=SMALL)
+        await spin(iterations)
+        task.cancel()
+        await spin(rng.randrange(3))
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "outer-task":  # the task awaiting slabs.load() is cancelled
+        outer = asyncio.ensure_future(slabs.load(ckpt, options=SMALL))
+        await spin(iterations)
+        outer.cancel()
+        try:
+            await outer
+        except asyncio.CancelledError:
+            pass
+    elif mode == "timeout":
+        try:
+            async with asyncio.timeout(delay):
+                await slabs.load(ckpt, options=SMALL)
+        except TimeoutError:
+            pass
+    elif mode == "aclose":
+        slabs.start(ckpt, options=SMALL)
+        await spin(iterations)
+        await slabs.aclose()
+    else:  # pragma: no cover
+        raise AssertionError(mode)
+
+
+CANCEL_MODES = [
+    "task.cancel", "landed", "delay", "double-cancel", "outer-task", "timeout", "aclose",
+]  # fmt: skip
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_cancel_at_random_points_leaks_nothing(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    expected_bytes(ckpt)
+
+    def paced(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        time.sleep(0.0002)  # a load takes ~10 ms: long enough to be cancelled in the middle
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(paced)
+    rng = random.Random(20240611)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    outcomes: dict[str, int] = {}
+    for cycle in range(CANCEL_CYCLES):
+        mode = CANCEL_MODES[cycle % len(CANCEL_MODES)]
+        await _cancel_somewhere(slabs, ckpt, rng, mode)
+        where = f"cycle {cycle} ({mode})"
+        landed = slabs.statistics().tensors_landed if mode != "aclose" else -1
+        if 0 < landed < len(p.routes):
+            outcomes["mid-load"] = outcomes.get("mid-load", 0) + 1
+        # The load has returned: no thread may still be writing into the slabs.
+        assert fake.in_flight == 0, where
+        assert open_fds() == fds, where
+        assert await wait_io_threads_gone() == [], where
+        if mode == "aclose":
+            with pytest.raises(asyncslab.ClosedError):
+                slabs.slab(next(iter(p.slabs)))
+            slabs = SlabSet(p)
+        else:
+            state = slabs.statistics().state
+            assert state in ("cancelled", "complete"), (where, state)
+            outcomes[state] = outcomes.get(state, 0) + 1
+            assert_units_all_or_nothing(slabs, ckpt)
+        # The next load succeeds, bit-exact.
+        await slabs.load(ckpt, options=SMALL)
+        assert_bit_exact(slabs, ckpt)
+        assert open_fds() == fds, where
+    await slabs.aclose()
+    assert await wait_io_threads_gone() == []
+    # The seeded points spread over the load: before it began, in the middle, after it ended.
+    assert outcomes.get("cancelled", 0) >= CANCEL_CYCLES // 4, outcomes
+    assert outcomes.get("mid-load", 0) >= CANCEL_CYCLES // 10, outcomes
+
+
+# --- concurrency -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_several_slabsets_load_at_once(tmp_path: Path) -> None:
+    ckpts = []
+    for seed in range(4):
+        spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, seed=seed)
+        ckpts.append(Checkpoint.open(write_synthetic(tmp_path / str(seed), spec).root))
+    ckpts.append(ckpts[0])  # two SlabSets reading the same files at once
+    fds = open_fds()
+    results = await asyncio.gather(*(load(c, plan(c), options=SMALL) for c in ckpts))
+    for slabs, ckpt in zip(results, ckpts, strict=True):
+        assert_bit_exact(slabs, ckpt)
+        await slabs.aclose()
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_second_load_into_the_same_slabset_is_refused(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+
+    def slow(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        time.sleep(0.001)
+        return os.preadv(fd, buffers, offset)
+
+    fake_os(slow)
+    async with SlabSet(p) as slabs:
+        first = slabs.start(ckpt, options=SMALL)
+        with pytest.raises(asyncslab.LoadError, match="already running"):
+            await slabs.load(ckpt, options=SMALL)
+        with pytest.raises(asyncslab.LoadError, match="already running"):
+            slabs.start(ckpt, options=SMALL)
+        with pytest.raises(asyncslab.LoadError, match="while a load is running"):
+            slabs.reset()
+        assert await first is slabs
+        assert_bit_exact(slabs, ckpt)
+
+        # Two awaited loads raced with gather: exactly one runs, the other is refused.
+        slabs.reset()
+        results = await asyncio.gather(
+            slabs.load(ckpt, options=SMALL), slabs.load(ckpt, options=SMALL),
+            return_exceptions=True,
+        )  # fmt: skip
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert len(refused) == 1
+        assert isinstance(refused[0], asyncslab.LoadError)
+        assert "already running" in str(refused[0])
+        assert_bit_exact(slabs, ckpt)
+
+
+# --- a read stuck past read_timeout -------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+) -> None:
+    # After read_timeout the load gives up on a read stuck in a thread. That thread will
+    # still write into the slab and read its fd when it wakes: neither may be released under
+    # it (a freed slab would be a use-after-free; a closed fd number can be reused by an
+    # unrelated open, and the resumed read would then read the wrong file).
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    release = threading.Event()
+    fd_valid_after_wake: list[bool] = []
+
+    def stuck(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        release.wait(10)
+        try:
+            os.fstat(fd)
+            fd_valid_after_wake.append(True)
+        except OSError:
+            fd_valid_after_wake.append(False)
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(stuck)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    slab_refs = [weakref.ref(t) for t in slabs._tensors.values()]  # no public handle yet
+    with pytest.raises(asyncslab.ReadTimeoutError):
+        await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05, io_workers=2))
+    await slabs.aclose()
+    del slabs
+    gc.collect()
+    assert fake.in_flight > 0  # the stuck reads are still inside their threads
+    assert all(r() is not None for r in slab_refs), "slab memory freed under a live read"
+    release.set()
+    assert await wait_io_threads_gone(5.0) == []
+    assert fake.in_flight == 0
+    assert fd_valid_after_wake
+    assert all(fd_valid_after_wake), fd_valid_after_wake
+    # Once the stuck reads returned, everything is released after all.
+    gc.collect()
+    assert open_fds() == fds
+    assert all(r() is None for r in slab_refs)
