@@ -120,11 +120,11 @@ from ._moe import TieredMoE as TieredMoE
 from ._moe import load_tier_map as load_tier_map
 from ._plan import Claim as Claim
 from ._plan import Location as Location
-from ._plan import make_route as make_route
 from ._plan import Plan as Plan
 from ._plan import Route as Route
 from ._plan import Rule as Rule
 from ._plan import SlabSpec as SlabSpec
+from ._plan import make_route as make_route
 from ._plan import plan as plan
 from ._rules import Dense as Dense
 from ._rules import RowSlice as RowSlice

@@ -52,8 +52,9 @@ class LoadOptions:
 
     ``io_workers``: positional reads in flight (CPU target), run by at most one thread per
     CPU. ``read_size``: target size of one coalesced read. ``coalesce_gap``: largest gap
-    between two tensors read through rather than split into two reads. ``staging_bytes`` / ``staging_buffers``: the pinned
-    ring of a CUDA target (one read in flight per buffer). ``streams``: CUDA copy streams.
+    between two tensors read through rather than split into two reads. ``staging_bytes`` /
+    ``staging_buffers``: the pinned ring of a CUDA target (one read in flight per buffer).
+    ``streams``: CUDA copy streams.
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
     reading straight into the slabs (slower; for comparison and for testing the ring).
@@ -443,7 +444,9 @@ class SlabSet:
         plan = self._run_plan
         cuda = self.device.type == "cuda"
         staged = cuda or options.cpu_staged
-        read_size = options.staging_bytes // options.staging_buffers if staged else options.read_size
+        read_size = (
+            options.staging_bytes // options.staging_buffers if staged else options.read_size
+        )
         workers = options.staging_buffers if staged else options.io_workers
         # More threads than cores only made the loop wait for a core (lag grew with the
         # thread count on 2 cores); reads beyond the threads wait in the pool's queue, ready
