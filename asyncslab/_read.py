@@ -178,5 +178,9 @@ class IoPool:
                 t.join()
             loop.call_soon_threadsafe(_set_done, exited)
 
-        threading.Thread(target=join, name="asyncslab-io-join").start()
+        joiner = threading.Thread(target=join, name="asyncslab-io-join")
+        joiner.start()
         await exited
+        # The joiner has only its return left (every I/O thread is gone, nothing holds the
+        # GIL): joining it is immediate, and no thread of this pool outlives close().
+        joiner.join()
