@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -38,12 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from ._bench_worker import PEERS, RESULT_MARK, lag_summary
+from ._cli import parse_size
 
 __all__ = [
     "ManySmall",
     "add_arguments",
     "main",
-    "parse_size",
     "run",
     "write_many_small",
     "write_synthetic_parallel",
@@ -82,23 +81,6 @@ T_RSS_SLACK = 64 * MiB
 T_LAG_P99_MS = 5.0
 T_LAG_MAX_MS = 20.0
 T_MANY_SMALL = 200_000
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``3GiB``, ``512MiB``, ``4M`` (binary), ``1GB`` (decimal) or plain bytes."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1GiB, 512MiB, 4MiB)")
-    number, prefix, binary, suffix = match.groups()
-    power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
-    decimal = bool(prefix) and not binary and bool(suffix)  # "GB" is decimal; "G", "GiB" binary
-    value = float(number) * ((1000 if decimal else 1024) ** power)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least one byte: {text!r}")
-    return int(value)
-
 
 def _positive(text: str) -> int:
     try:

@@ -27,15 +27,8 @@ import torch
 
 import asyncslab
 from asyncslab import LoadOptions
+from asyncslab._cli import parse_size
 from asyncslab._schedule import schedule
-
-
-def parse_size(text: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
-    for suffix, factor in units.items():
-        if text.lower().endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
 
 
 async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:

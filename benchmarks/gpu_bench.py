@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -35,18 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncslab._cli import parse_size
+
 MiB = 1 << 20
 GiB = 1 << 30
-
-
-def parse_size(text: str) -> int:
-    match = re.match(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*$", text, re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
-    number, prefix, binary, suffix = match.groups()
-    power = "kmgt".find(prefix.lower()) + 1 if prefix else 0
-    base = 1000 if prefix and not binary and suffix else 1024
-    return int(float(number) * base**power)
 
 
 def build_parser() -> argparse.ArgumentParser:

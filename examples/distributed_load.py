@@ -34,10 +34,8 @@ import torch
 import torch.distributed as dist
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet
+from asyncslab import Checkpoint, LoadOptions, SlabSet, distributed
 from asyncslab._synthetic import spec_for_size
-
-from asyncslab import distributed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

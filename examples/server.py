@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import shutil
 import signal
 import sys
@@ -52,8 +51,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan, write_synthetic
-from asyncslab._synthetic import spec_for_size
+from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan, spec_for_size, write_synthetic
+from asyncslab._cli import parse_size
 
 MAX_TOKENS = 4096
 PACED_READ_SIZE = 64 << 10
@@ -301,29 +300,6 @@ def build_app(service: Service) -> Starlette:
 
 # --------------------------------------------------------------------------- command line
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1 << 10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 1 << 30,
-}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 256MiB, 8MiB, 1GiB)")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
-    return n
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

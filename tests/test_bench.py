@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import asyncslab
 from asyncslab import _bench
-from asyncslab._bench import CONTENDERS, parse_size, write_many_small
+from asyncslab._bench import CONTENDERS, write_many_small
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,17 +112,6 @@ def test_refuses_sizes_that_do_not_fit(
     args = bench_args("--size", "3GiB", "--dir", str(tmp_path))
     assert _bench.run(args) == 2
     assert "not enough disk space" in capsys.readouterr().err
-
-
-def test_parse_size() -> None:
-    assert parse_size("3GiB") == 3 << 30
-    assert parse_size("4MiB") == 4 << 20
-    assert parse_size("4M") == 4 << 20
-    assert parse_size("1GB") == 10**9
-    assert parse_size("1.5KiB") == 1536
-    assert parse_size("4096") == 4096
-    with pytest.raises(argparse.ArgumentTypeError):
-        parse_size("lots")
 
 
 def test_many_small_builder_opens_everywhere(tmp_path: Path) -> None:
