@@ -370,7 +370,7 @@ def _shard_files(checkpoint: Path) -> list[Path]:
     return [Path(f.path) for f in Checkpoint.open(checkpoint).files]
 
 
-def _read_all(files: Iterable[Path]) -> tuple[int, float]:
+def read_all(files: Iterable[Path]) -> tuple[int, float]:
     """Read every file once (warms the page cache); returns bytes and seconds."""
     buffer = bytearray(16 * MiB)
     view = memoryview(buffer)
@@ -399,8 +399,8 @@ def _cold_check(files: Sequence[Path]) -> dict[str, Any]:
     """Does fadvise(DONTNEED) make reads cold? Time one file dropped, then again warm."""
     probe = max(files, key=lambda p: p.stat().st_size)
     _drop_cache([probe])
-    n, cold_s = _read_all([probe])
-    _, warm_s = _read_all([probe])
+    n, cold_s = read_all([probe])
+    _, warm_s = read_all([probe])
     cold = n / cold_s / 1e9 if cold_s > 0 else 0.0
     warm = n / warm_s / 1e9 if warm_s > 0 else 0.0
     effective = cold < 0.7 * warm
@@ -886,7 +886,7 @@ def _bench_sized(
         runs: list[dict[str, dict[str, Any]]] = []
         for i in range(args.runs):
             if mode != "cold":
-                n, s = _read_all(files)
+                n, s = read_all(files)
                 warmups.append({"mode": mode, "run": i + 1, "bytes": n, "seconds": s})
             by_contender: dict[str, dict[str, Any]] = {}
             for c in active:
@@ -1009,7 +1009,7 @@ def _bench_many_small(
     records: list[dict[str, Any]] = []
     runs: dict[str, list[dict[str, dict[str, Any]]]] = {p: [] for p in plans}
     for i in range(args.runs):
-        _read_all([fixture.path])
+        read_all([fixture.path])
         for label, rules in plans.items():
             by_contender: dict[str, dict[str, Any]] = {}
             for c in contenders:

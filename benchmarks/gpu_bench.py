@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncslab._bench import read_all
 from asyncslab._cli import parse_size
 
 MiB = 1 << 20
@@ -95,17 +96,6 @@ def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]
         "bytes": total,
         "workers": workers,
     }
-
-
-def read_all(paths: list[Path]) -> tuple[int, float]:
-    buf = memoryview(bytearray(64 * MiB))
-    total = 0
-    t = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                total += n
-    return total, time.perf_counter() - t
 
 
 def h2d_bandwidth(torch: Any, device: str, reps: int) -> dict[str, Any]:
