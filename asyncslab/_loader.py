@@ -33,7 +33,7 @@ from ._errors import (
 from ._format import Checkpoint
 from ._plan import Plan
 from ._read import IoPool, byte_view
-from ._schedule import ReadOp, schedule
+from ._schedule import ReadOp, Schedule, schedule
 from ._staging import StagingRing
 from ._tracker import Tracker
 
@@ -365,6 +365,8 @@ class SlabSet:
         self._run_plan = plan
         self._route_slab = [index[r.slab] for r in plan.routes]
         self._tracker = Tracker(plan)
+        # Plans are immutable, so a reload with the same options reuses its reads.
+        self._schedules: dict[tuple[int, int], Schedule] = {}
 
     def _reset_counters(self) -> None:
         self._bytes_needed = 0
@@ -456,7 +458,11 @@ class SlabSet:
         loaded = False
         try:
             # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
-            sched = await pool.run(schedule, plan, max_read=read_size, gap=options.coalesce_gap)
+            key = (read_size, options.coalesce_gap)
+            sched = self._schedules.get(key)
+            if sched is None:
+                sched = await pool.run(schedule, plan, max_read=read_size, gap=key[1])
+                self._schedules[key] = sched
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
             copier: Copier | None = None
