@@ -1,0 +1,262 @@
+"""The compact readers: headers and index in the layout writers emit, read by whole-text
+operations instead of a Python step per tensor.
+
+They must be exact. Whatever a compact reader accepts, the general parser accepts with the
+same result; anything else falls through to the general parser, which alone raises errors.
+Each test below holds the two together, on generated layouts and on hostile edits of them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from asyncslab import AsyncSlabError, Checkpoint, IndexFileError
+from asyncslab._format import (
+    _ITEMSIZE,
+    _parse_compact,
+    _parse_general,
+    _parse_index,
+    _weight_map_compact,
+)
+
+HERE = Path("<test>")
+
+# Characters that matter to JSON or to the compact reader's separators and markers.
+TRICKY = '"\\\x00\x01\x1f :,{}[]\u00a0\u2028é𝔸0-+_'
+NAME_CHARS = st.sampled_from("abcxyz.019_-" + TRICKY)
+
+
+Entry = tuple[str, str, list[int], int, int]
+
+
+def compact(entries: list[Entry], meta: dict[str, str] | None) -> str:
+    """A header as safetensors writes it: no spaces, metadata first."""
+    obj: dict[str, object] = {}
+    if meta is not None:
+        obj["__metadata__"] = meta
+    for name, dtype, shape, begin, end in entries:
+        obj[name] = {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> str:
+    """Compact headers: mostly valid, in or out of payload order, with zero-size tensors."""
+    names = draw(
+        st.lists(st.text(NAME_CHARS, max_size=6), min_size=1, max_size=8, unique=True)
+    )
+    entries = []
+    position = 0
+    for name in names:
+        dtype = draw(st.sampled_from([*sorted(_ITEMSIZE), "F4", "X9"]))
+        shape = draw(st.lists(st.integers(0, 3), max_size=3))
+        size = math.prod(shape) * _ITEMSIZE.get(dtype, 1)
+        entries.append((name, dtype, shape, position, position + size))
+        position += size
+    if draw(st.booleans()):
+        entries = draw(st.permutations(entries))
+    meta = draw(st.none() | st.dictionaries(st.text(NAME_CHARS, max_size=3), st.text(max_size=3)))
+    return compact(entries, meta) + " " * draw(st.integers(0, 7))
+
+
+def agree(text: str) -> bool:
+    """The compact reader declines, or agrees with the general parser; True if it read it."""
+    fast = _parse_compact(text)
+    if fast is None:
+        return False
+    assert _parse_general(text, HERE) == fast
+    return True
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(text=headers())
+def test_property_compact_header_agrees_with_general(text: str) -> None:
+    taken = agree(text)
+    try:
+        _parse_general(text, HERE)
+    except AsyncSlabError:
+        assert not taken
+        return
+    obj = json.loads(text)
+    plain = all(
+        name.isprintable() and '"' not in name and "\\" not in name
+        for name in obj
+    ) and all(v.isprintable() for v in obj.get("__metadata__", {}).values())
+    if plain and "\\" not in text:
+        # Valid and free of escapes: the compact reader must take it, or it does not pay.
+        assert taken
+
+
+EDITS = ['"', ",", ":", "{", "}", "[", "]", "0", "1", "-", "+", " ", "\\", "\x01", "]},", '":{"']
+
+
+@settings(
+    max_examples=400,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(text=headers(), seed=st.integers(0, 2**32 - 1), count=st.integers(1, 3))
+def test_property_edited_header_agrees_or_falls_through(text: str, seed: int, count: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        at = rng.randrange(len(text) + 1)
+        cut = rng.choice([0, 0, 1, 2])
+        text = text[:at] + rng.choice(EDITS) + text[at + cut :]
+    agree(text)
+
+
+SEP = ('":{"dtype":"', '","shape":[', '],"data_offsets":[')
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # The separators of one tensor in the wrong order: each piece alone looks right.
+        '{"a' + SEP[2] + "I16" + SEP[1] + "1" + SEP[0] + "0,2]}}",
+        '{"a' + SEP[1] + "I16" + SEP[0] + "1" + SEP[2] + "0,2]}}",
+        # Numbers JSON does not write, which int() takes.
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[00,2]}}',
+        '{"a":{"dtype":"I16","shape":[01],"data_offsets":[0,2]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,+2]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2_0]}}',
+        '{"a":{"dtype":"I16","shape":[1_0],"data_offsets":[0,20]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[-0,2]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,\u0662]}}',
+        '{"a":{"dtype":"I16","shape":[-1],"data_offsets":[0,2]}}',
+        # One tensor's offsets carry the next one's numbers.
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2,2,4]},'
+        '"b":{"dtype":"I16","shape":[1],"data_offsets":[]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]},2,4]},'
+        '"b":{"dtype":"I16","shape":[1],"data_offsets":[]}}',
+        # Repeated names, a tensor called __metadata__, metadata not first.
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]},'
+        '"a":{"dtype":"I16","shape":[1],"data_offsets":[2,4]}}',
+        '{"__metadata__":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]},"__metadata__":{"x":"y"}}',
+        '{"__metadata__":{"x":"y"},"__metadata__":{"x":"y"},'
+        '"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}',
+        '{"__metadata__":{"x":1},"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}',
+        # Control characters, in a name or standing for the reader's own marker.
+        '{"a\x01b":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}',
+        '{"a\nb":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}',
+        # Offsets with a gap, an overlap, not from 0; sizes that disagree; unknown dtype.
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[2,4]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]},'
+        '"b":{"dtype":"I16","shape":[1],"data_offsets":[1,3]}}',
+        '{"a":{"dtype":"I16","shape":[2],"data_offsets":[0,2]}}',
+        '{"a":{"dtype":"Q8","shape":[1],"data_offsets":[0,2]}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,18446744073709551616]}}',
+        # Trailing garbage, a missing brace, whitespace that is not a space.
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}',
+        '{"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}\n',
+    ],
+)
+def test_hostile_compact_header_falls_through(text: str) -> None:
+    assert _parse_compact(text) is None
+
+
+def test_compact_header_out_of_order_and_zero_size_match_general() -> None:
+    text = (
+        '{"b":{"dtype":"I16","shape":[1],"data_offsets":[2,4]},'
+        '"z":{"dtype":"I16","shape":[0],"data_offsets":[2,2]},'
+        '"y":{"dtype":"I16","shape":[0],"data_offsets":[2,2]},'
+        '"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}'
+    )
+    assert agree(text)
+    assert _parse_compact(text).names == ["a", "y", "z", "b"]  # type: ignore[union-attr]
+
+
+def test_same_checkpoint_compact_and_indented_opens_the_same(tmp_path: Path) -> None:
+    """The reference writes the compact layout; the same header re-indented takes the
+    general path. Both must give the same tensors at the same payload offsets."""
+    tensors = {
+        f"layer.{i}.w": torch.arange(i + 3, dtype=torch.float16).reshape(1, -1) for i in range(5)
+    }
+    tensors["scalar"] = torch.tensor(7, dtype=torch.int64)
+    tensors["empty"] = torch.zeros(0, 4)
+    save_file(tensors, str(tmp_path / "compact.safetensors"), metadata={"format": "pt"})
+    data = (tmp_path / "compact.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    pretty = json.dumps(json.loads(data[8 : 8 + n]), indent=1).encode()
+    (tmp_path / "pretty.safetensors").write_bytes(
+        struct.pack("<Q", len(pretty)) + pretty + data[8 + n :]
+    )
+    a = Checkpoint.open(tmp_path / "compact.safetensors")
+    b = Checkpoint.open(tmp_path / "pretty.safetensors")
+
+    def relative(ck: Checkpoint) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+        start = ck.files[0].data_start
+        return [(t.name, t.dtype, t.shape, t.offset - start, t.nbytes) for t in ck]
+
+    assert relative(a) == relative(b)
+    assert dict(a.files[0].metadata) == dict(b.files[0].metadata) == {"format": "pt"}
+
+
+# --- the index -----------------------------------------------------------------------------
+
+
+@st.composite
+def indexes(draw: st.DrawFn) -> str:
+    names = draw(st.lists(st.text(NAME_CHARS, max_size=5), min_size=1, max_size=6))
+    file_names = st.sampled_from(["a.safetensors", "b\x01.st", "c d"])
+    files = draw(st.lists(file_names, min_size=len(names), max_size=len(names)))
+    pairs = ", ".join(
+        f"{json.dumps(n, ensure_ascii=False)}: {json.dumps(f, ensure_ascii=False)}"
+        for n, f in zip(names, files, strict=True)
+    )
+    meta = draw(st.sampled_from(['"metadata": {"total_size": 4}, ', "", '"weight_map": {}, ']))
+    after = draw(st.sampled_from(["", ', "metadata": {"a": [1, "x"]}']))
+    return "{" + meta + '"weight_map": {' + pairs + "}" + after + "}"
+
+
+def index_agrees(text: str) -> None:
+    fast = _weight_map_compact(text)
+    if fast is None:
+        return
+    names, files = fast
+    if len(set(names)) != len(names) or any(ord(c) < 0x20 for c in "".join(names)):
+        # Left to the comparison with the headers, which fails and asks the general parser.
+        with pytest.raises(IndexFileError):
+            _parse_index(text, HERE)
+        return
+    weight_map = _parse_index(text, HERE)
+    assert list(weight_map.items()) == list(zip(names, files, strict=True))
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(text=indexes(), seed=st.integers(0, 2**32 - 1), count=st.integers(0, 2))
+def test_property_compact_index_agrees_with_general(text: str, seed: int, count: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(count):
+        at = rng.randrange(len(text) + 1)
+        text = text[:at] + rng.choice(EDITS) + text[at + rng.choice([0, 1]) :]
+    index_agrees(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"weight_map": {"x": "a", "y": "b"}, "weight_map": {"z": "a"}}',
+        '{"metadata": {"weight_map": {"x": "a"}}, "weight_map": {"x": "a"}}',
+        '{"weight_map": {"x": "a", "y": "b",}}',
+        '{"weight_map": {"x": "a" "y": "b"}}',
+        '{"weight_map": {"x": "a", "y": "b"}',
+        '{"weight_map": {"x": "a"}, "metadata": NaN}',
+        '{"weight_map": {"x": "a\x01"}}',
+        '["weight_map", {"x": "a"}]',
+    ],
+)
+def test_hostile_compact_index_falls_through(text: str) -> None:
+    assert _weight_map_compact(text) is None
