@@ -268,10 +268,10 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
         slabs = None
         if pretouched:
             slabs = asyncslab.SlabSet(plan)
-            tensors = getattr(slabs, "_tensors", None)
-            if isinstance(tensors, dict):
-                touch(list(tensors.values()))
-            else:  # a future SlabSet without _tensors: a load writes every byte as well
+            backing = getattr(slabs, "_backing", None)
+            if isinstance(backing, torch.Tensor):
+                touch([backing])
+            else:  # a future SlabSet without _backing: a load writes every byte as well
                 await slabs.load(checkpoint, options=options)
                 slabs.reset()
         # Control: the same ticker with nothing else running, so that lag caused by the
@@ -364,13 +364,13 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
         for t in range(threads):
             targets: list[memoryview] = []
             position = 0
-            for piece in op.pieces:
-                g = piece.read_offset - position
+            for route, read_offset, dst_offset, nbytes in op.pieces:
+                g = read_offset - position
                 if g:
                     targets.append(scratch[t][:g])
-                start = route_base[piece.route] + piece.dst_offset
-                targets.append(view[start : start + piece.nbytes])
-                position = piece.read_offset + piece.nbytes
+                start = route_base[route] + dst_offset
+                targets.append(view[start : start + nbytes])
+                position = read_offset + nbytes
             per_thread.append(targets)
         jobs.append((fds[op.file], op.offset, per_thread))
     cursor: Iterator[tuple[int, int, list[list[memoryview]]]] = iter(jobs)

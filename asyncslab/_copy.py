@@ -24,21 +24,22 @@ __all__ = ["read_direct", "read_staged", "Copier", "CpuCopier", "CudaCopier"]
 def read_direct(
     fd: int,
     op: ReadOp,
-    slab_views: Sequence[memoryview],
-    route_slab: Sequence[int],
+    backing: memoryview,
+    route_base: Sequence[int],
     scratch: memoryview,
     path: str,
 ) -> int:
-    """Read ``op`` into its slots; returns bytes read (slots plus discarded gaps)."""
+    """Read ``op`` into its slots (``backing`` holds every slab; a route's slab starts at
+    ``route_base[route]``); returns bytes read (slots plus discarded gaps)."""
     targets: list[memoryview] = []
     position = 0
-    for piece in op.pieces:
-        gap = piece.read_offset - position
+    for route, read_offset, dst_offset, nbytes in op.pieces:
+        gap = read_offset - position
         if gap:
             targets.append(scratch[:gap])
-        view = slab_views[route_slab[piece.route]]
-        targets.append(view[piece.dst_offset : piece.dst_offset + piece.nbytes])
-        position = piece.read_offset + piece.nbytes
+        start = route_base[route] + dst_offset
+        targets.append(backing[start : start + nbytes])
+        position = read_offset + nbytes
     return preadv_exact(fd, targets, op.offset, path=path)
 
 
@@ -55,8 +56,8 @@ class Copier(Protocol):
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        slab_bytes: Sequence[torch.Tensor],
-        route_slab: Sequence[int],
+        backing: torch.Tensor,
+        route_base: Sequence[int],
         stream_index: int,
     ) -> None: ...
 
@@ -69,11 +70,11 @@ class CpuCopier:
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        slab_bytes: Sequence[torch.Tensor],
-        route_slab: Sequence[int],
+        backing: torch.Tensor,
+        route_base: Sequence[int],
         stream_index: int,
     ) -> None:
-        _copy_pieces(op, buffer, slab_bytes, route_slab, non_blocking=False)
+        _copy_pieces(op, buffer, backing, route_base, non_blocking=False)
 
 
 class CudaCopier:
@@ -90,8 +91,8 @@ class CudaCopier:
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        slab_bytes: Sequence[torch.Tensor],
-        route_slab: Sequence[int],
+        backing: torch.Tensor,
+        route_base: Sequence[int],
         stream_index: int,
     ) -> None:
         """Enqueue the copies of ``op`` out of ``buffer`` and wait until they completed.
@@ -101,7 +102,7 @@ class CudaCopier:
         """
         stream = self.streams[stream_index % len(self.streams)]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            _copy_pieces(op, buffer, slab_bytes, route_slab, non_blocking=True)
+            _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         event.synchronize()
@@ -110,15 +111,15 @@ class CudaCopier:
 def _copy_pieces(
     op: ReadOp,
     buffer: torch.Tensor,
-    slab_bytes: Sequence[torch.Tensor],
-    route_slab: Sequence[int],
+    backing: torch.Tensor,
+    route_base: Sequence[int],
     *,
     non_blocking: bool,
 ) -> None:
     # uint8 on both sides: bytes are copied as bytes, no dtype conversion can happen.
-    for piece in op.pieces:
-        dst = slab_bytes[route_slab[piece.route]]
-        dst[piece.dst_offset : piece.dst_offset + piece.nbytes].copy_(
-            buffer[piece.read_offset : piece.read_offset + piece.nbytes],
+    for route, read_offset, dst_offset, nbytes in op.pieces:
+        start = route_base[route] + dst_offset
+        backing[start : start + nbytes].copy_(
+            buffer[read_offset : read_offset + nbytes],
             non_blocking=non_blocking,
         )

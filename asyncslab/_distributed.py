@@ -24,7 +24,7 @@ fail after the process group's timeout (``init_process_group(timeout=...)``). Ei
 again (destroy it, or exit).
 
 This module drives a :class:`~asyncslab.SlabSet` through the package-internal parts of its
-load (``_begin``, ``_finish``, ``_tracker``, ``_bytes``, ``_route_slab`` and the statistics
+load (``_begin``, ``_finish``, ``_tracker``, ``_backing``, ``_route_base`` and the statistics
 counters) so that a shared load fills, gates and reports exactly like a local
 one.
 """
@@ -841,11 +841,11 @@ class _Session:
         """Copy every overlap of the chunk with this rank's routes into its slot, then land
         those bytes (on the loop, in order)."""
         landed: list[tuple[int, int]] = []
-        slab_bytes = routes.slab_bytes
+        backing = routes.backing
         for seg in chunk.segments:
-            for route, src, dst_slab, dst, nbytes in routes.overlaps(seg):
+            for route, src, base, dst, nbytes in routes.overlaps(seg):
                 start = seg.at + (src - seg.offset)
-                slab_bytes[dst_slab].narrow(0, dst, nbytes).copy_(buffer.narrow(0, start, nbytes))
+                backing.narrow(0, base + dst, nbytes).copy_(buffer.narrow(0, start, nbytes))
                 landed.append((route, nbytes))
         if not landed:
             return
@@ -905,21 +905,22 @@ class _RouteIndex:
     def __init__(self, plan: Plan, slabs: SlabSet) -> None:
         index = {f.path: i for i, f in enumerate(plan.files)}
         per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
-        route_slab = slabs._route_slab
+        route_base = slabs._route_base
         for i, r in enumerate(plan.routes):
             if r.nbytes:
                 per_file.setdefault(index[r.file], []).append(
-                    (r.src_offset, r.src_offset + r.nbytes, i, route_slab[i], r.dst_offset)
+                    (r.src_offset, r.src_offset + r.nbytes, i, route_base[i], r.dst_offset)
                 )
         self.files = {f: sorted(v) for f, v in per_file.items()}
         self.starts = {f: [e[0] for e in v] for f, v in self.files.items()}
-        # Hold the byte views: their storage outlives a SlabSet closed meanwhile.
-        self.slab_bytes = list(slabs._bytes)
+        # Hold the backing: it outlives a SlabSet closed meanwhile.
+        self.backing = slabs._backing
         self.cuda = slabs.device.type == "cuda"
         self.cuda_device = slabs.device if self.cuda else None
 
     def overlaps(self, seg: _Segment) -> Iterable[tuple[int, int, int, int, int]]:
-        """``(route, file offset, slab index, slab byte offset, nbytes)`` per overlap."""
+        """``(route, file offset, slab's offset in the backing, byte offset in the slab,
+        nbytes)`` per overlap."""
         entries = self.files.get(seg.file)
         if not entries:
             return

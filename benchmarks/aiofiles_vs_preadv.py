@@ -36,12 +36,15 @@ async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
     for route in plan.routes:
         by_file[route.file].append(route)
 
+    view = slabs._backing_view
+    assert view is not None
+
     async def one_file(path: Path, routes: list[asyncslab.Route]) -> None:
         async with aiofiles.open(path, "rb", buffering=0) as f:
             for r in routes:
-                view = slabs._views[slabs._route_slab[plan._index[r.tensor]]]
+                start = slabs._route_base[plan._index[r.tensor]] + r.dst_offset
                 await f.seek(r.src_offset)
-                await f.readinto(view[r.dst_offset : r.dst_offset + r.nbytes])
+                await f.readinto(view[start : start + r.nbytes])
 
     async with asyncio.TaskGroup() as tg:
         for path, routes in by_file.items():
@@ -51,7 +54,7 @@ async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
 async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
     sched = schedule(plan, max_read=16 << 20, gap=64 << 10)
     bounce = bytearray(16 << 20)
-    slab_bytes = slabs._bytes
+    backing = slabs._backing
     handles = {
         i: await aiofiles.open(f.path, "rb", buffering=0) for i, f in enumerate(plan.files)
     }
@@ -62,10 +65,10 @@ async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet)
             view = memoryview(bounce)[: op.nbytes]
             await f.readinto(view)
             src = torch.frombuffer(bounce, dtype=torch.uint8, count=op.nbytes)
-            for p in op.pieces:
-                dst = slab_bytes[slabs._route_slab[p.route]]
-                dst[p.dst_offset : p.dst_offset + p.nbytes].copy_(
-                    src[p.read_offset : p.read_offset + p.nbytes]
+            for route, read_offset, dst_offset, nbytes in op.pieces:
+                start = slabs._route_base[route] + dst_offset
+                backing[start : start + nbytes].copy_(
+                    src[read_offset : read_offset + nbytes]
                 )
     finally:
         for f in handles.values():
@@ -82,8 +85,7 @@ async def main() -> None:
         ckpt = asyncslab.Checkpoint.open(d)
         plan = asyncslab.plan(ckpt)
         slabs = asyncslab.SlabSet(plan)
-        for t in slabs._bytes:
-            t.fill_(1)  # pre-touched: measure the reads, not page faults
+        slabs._backing.fill_(1)  # pre-touched: measure the reads, not page faults
         await slabs.load(ckpt)  # warms the page cache
         times: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.runs):

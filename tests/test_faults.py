@@ -774,7 +774,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     fake = fake_os(stuck)
     fds = open_fds()
     slabs = SlabSet(p)
-    slab_refs = [weakref.ref(t) for t in slabs._tensors.values()]  # no public handle yet
+    slab_refs = [weakref.ref(slabs._backing)]  # the one allocation behind every slab
     with pytest.raises(asyncslab.ReadTimeoutError):
         await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05, io_workers=2))
     await slabs.aclose()

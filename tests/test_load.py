@@ -467,3 +467,35 @@ async def test_slot_refuses_what_is_not_an_in_range_slot(
     for bad in [(2, 0), (0, -1), [0, 0], (0, 0, 0), (True, 0)]:
         with pytest.raises(IndexError, match="outside slab"):
             slabs.slot(name, bad)  # type: ignore[arg-type]
+
+
+async def test_slabs_share_one_aligned_allocation(tmp_path: Path) -> None:
+    """Every slab is a view of one allocation, at its own 64-byte-aligned range; nothing
+    overlaps, and a reload writes the same memory."""
+    tensors = {
+        "a": torch.arange(3, dtype=torch.int8),
+        "b": torch.arange(5, dtype=torch.float64),
+        "c": torch.zeros(0, 7, dtype=torch.float16),
+        "d": torch.arange(12, dtype=torch.int16).reshape(3, 4),
+    }
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    slabs = await load(ckpt, plan(ckpt))
+    views = {name: slabs.slab(name) for name in slabs.plan.slabs}
+    storages = {v.untyped_storage().data_ptr() for v in views.values()}
+    assert len(storages) == 1
+    ranges = sorted((v.data_ptr(), v.data_ptr() + v.nbytes) for v in views.values())
+    assert all(start % 64 == 0 for start, _ in ranges)
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False))
+    for name, tensor in tensors.items():
+        assert torch.equal(views[name], tensor)
+    await slabs.aclose()
+
+
+async def test_unrepresentable_zero_size_slab_is_refused_at_allocation(tmp_path: Path) -> None:
+    """``[0, 2**63]`` of U8 is a valid header (zero bytes) but no torch tensor can have it."""
+    header = b'{"z":{"dtype":"U8","shape":[0,9223372036854775808],"data_offsets":[0,0]}}'
+    (tmp_path / "z.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    ckpt = Checkpoint.open(tmp_path / "z.safetensors")
+    with pytest.raises(asyncslab.LoadError, match=r"cannot make slab 'z'"):
+        SlabSet(plan(ckpt))

@@ -252,10 +252,13 @@ def new_model(mixtral: SimpleNamespace) -> torch.nn.Module:
 
 
 def storage_owner(tensor: torch.Tensor, slabs: SlabSet) -> str | None:
-    ptr = tensor.untyped_storage().data_ptr()
-    return next(
-        (n for n in slabs.plan.slabs if slabs.slab(n).untyped_storage().data_ptr() == ptr), None
-    )
+    """The slab whose bytes hold ``tensor``'s (slabs share one allocation, so by address)."""
+    ptr = tensor.data_ptr()
+    for name in slabs.plan.slabs:
+        slab = slabs.slab(name)
+        if slab.data_ptr() <= ptr < slab.data_ptr() + slab.nbytes:
+            return name
+    return None
 
 
 @pytest.mark.asyncio
