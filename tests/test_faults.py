@@ -347,11 +347,17 @@ async def test_short_reads_still_land_bit_exact(
     ),
     offset=st.integers(0, 50),
     cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20),
+    syscall_bytes=st.integers(1, 100),
 )
 def test_property_preadv_exact_partial_reads(
-    sizes: list[int], offset: int, cuts: list[float], tmp_path_factory: pytest.TempPathFactory
+    sizes: list[int],
+    offset: int,
+    cuts: list[float],
+    syscall_bytes: int,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Whatever short counts ``preadv`` returns, every target ends up with its bytes."""
+    """Whatever short counts ``preadv`` returns, every target ends up with its bytes, and
+    no call asks for more than ``SYSCALL_BYTES``."""
     total = sum(sizes)
     data = random.Random(total).randbytes(offset + total)
     path = tmp_path_factory.getbasetemp() / "preadv.bin"
@@ -360,16 +366,18 @@ def test_property_preadv_exact_partial_reads(
 
     def partial(fd: int, buffers: Sequence[memoryview], at: int) -> int:
         want = sum(len(b) for b in buffers)
+        assert 0 < want <= syscall_bytes
         return os.preadv(fd, trimmed(buffers, max(1, round(next(calls) * want))), at)
 
     targets = [memoryview(bytearray(n)) for n in sizes]
     fd = os.open(path, os.O_RDONLY)
-    saved = read_module.os
+    saved = read_module.os, read_module.SYSCALL_BYTES
     read_module.os = FakeOs(partial)  # type: ignore[assignment]
+    read_module.SYSCALL_BYTES = syscall_bytes
     try:
         assert preadv_exact(fd, targets, offset, path=str(path)) == total
     finally:
-        read_module.os = saved  # type: ignore[assignment]
+        read_module.os, read_module.SYSCALL_BYTES = saved  # type: ignore[assignment]
         os.close(fd)
     assert b"".join(bytes(t) for t in targets) == data[offset:]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -499,3 +500,32 @@ async def test_unrepresentable_zero_size_slab_is_refused_at_allocation(tmp_path:
     ckpt = Checkpoint.open(tmp_path / "z.safetensors")
     with pytest.raises(asyncslab.LoadError, match=r"cannot make slab 'z'"):
         SlabSet(plan(ckpt))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+@pytest.mark.parametrize("io_nice", [19, 0])
+async def test_io_threads_run_niced_and_the_loop_does_not(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, io_nice: int
+) -> None:
+    """Reads run on threads whose nice value is raised by ``io_nice``; the event-loop thread
+    (and the process) keep theirs."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+
+    def recording(*args: object, **kwargs: object) -> int:
+        seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # 0: the calling thread, on Linux
+        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copy_module, "preadv_exact", recording)
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    slabs = await load(ckpt, plan(ckpt), options=LoadOptions(io_nice=io_nice, read_size=64 << 10))
+    assert len(seen) == slabs.statistics().reads > 1
+    assert set(seen) == {min(19, base + io_nice)}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+    await slabs.aclose()
+
+
+@pytest.mark.parametrize("io_nice", [-1, 20])
+async def test_io_nice_out_of_range_is_refused(io_nice: int) -> None:
+    with pytest.raises(ValueError, match="io_nice"):
+        LoadOptions(io_nice=io_nice)
