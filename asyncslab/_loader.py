@@ -60,8 +60,10 @@ class LoadOptions:
     ``io_nice``: added to the nice value of the I/O threads (Linux, where it is per thread;
     ignored elsewhere), so that the event loop, and anything else of normal priority, gets a
     core the moment it wants one, while the load still takes every idle cycle. On a 2-core
-    VM, 3 GiB into fresh memory: lag p99 ~1-3 ms at 19, ~4 ms at 10, 5-8 ms at 0, same
-    load time. 0 leaves the threads as they are.
+    VM, 1 GiB into fresh memory with 4 threads: lag p99 5-8 ms at 0, 1.3-4 ms at 10 or 19,
+    the same load time. Not 19: an I/O thread holds the GIL briefly between two reads, and
+    the loop waiting for it should not wait behind everything else on the machine. 0 leaves
+    the threads as they are.
     ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
     reading straight into the slabs (slower; for comparison and for testing the ring).
     ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
@@ -75,7 +77,7 @@ class LoadOptions:
     staging_buffers: int = 8
     streams: int = 4
     read_timeout: float | None = 60.0
-    io_nice: int = 19
+    io_nice: int = 10
     progress_interval: float = 0.1
     cpu_staged: bool = False
     max_bytes_per_s: float | None = None

@@ -503,7 +503,7 @@ async def test_unrepresentable_zero_size_slab_is_refused_at_allocation(tmp_path:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
-@pytest.mark.parametrize("io_nice", [19, 0])
+@pytest.mark.parametrize("io_nice", [19, 10, 0])
 async def test_io_threads_run_niced_and_the_loop_does_not(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, io_nice: int
 ) -> None:
