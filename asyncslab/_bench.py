@@ -187,6 +187,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tensors per run compared with safetensors after the clock stops (default 8)",
     )
     parser.add_argument(
+        "--settle",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="pause before each contender, so that memory the previous one freed has "
+        "settled (default 3)",
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="run the contenders in this process, not one fresh process each: a fast smoke "
@@ -475,6 +483,12 @@ class _Runner:
         }
 
     def run(self, contender: str, mode: str, rules: str, nbytes: int) -> dict[str, Any]:
+        if self.args.settle and not self.args.in_process:
+            # A contender that just exited freed GBs; on a VM the kernel then hands those
+            # pages back to the hypervisor in batches, and page allocation stalled for tens
+            # of ms at a time during the next contender's first ~second (measured: asyncslab
+            # cold, lag spikes of 20-35 ms after direct-copy, none when run alone).
+            time.sleep(self.args.settle)
         need = nbytes * MEMORY_FACTOR.get(contender, 1.0)
         available = _meminfo().get("MemAvailable")
         if available is not None and need > 0.9 * available:
