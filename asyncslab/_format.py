@@ -805,8 +805,8 @@ def _weight_map_compact(text: str) -> tuple[list[str], list[str]] | None:
         k = parts.index("weight_map")
     except ValueError:
         return None
-    if k % 2 == 0 or _OPENER.fullmatch(parts[k + 1]) is None:
-        return None
+    if k % 2 == 0 or k + 1 == len(parts) or _OPENER.fullmatch(parts[k + 1]) is None:
+        return None  # not a key, an unterminated string, or not followed by an object
     # After each file name: a comma, or for the last one the map's closing brace.
     after = parts[k + 5 :: 4]
     m = 1

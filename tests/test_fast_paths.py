@@ -260,3 +260,20 @@ def test_property_compact_index_agrees_with_general(text: str, seed: int, count:
 )
 def test_hostile_compact_index_falls_through(text: str) -> None:
     assert _weight_map_compact(text) is None
+
+
+def test_every_prefix_and_suffix_falls_through_or_agrees() -> None:
+    """Truncated files are the commonest malformed input: no cut of a valid header or index
+    may make a compact reader raise, or accept what the general parser refuses."""
+    header = compact(
+        [("a", "F16", [2, 3], 0, 12), ("weight_map", "I8", [], 12, 13)], {"format": "pt"}
+    )
+    index = (
+        '{\n  "metadata": {"total_size": 13},\n  "weight_map": {\n'
+        '    "a": "m.safetensors",\n    "weight_map": "m.safetensors"\n  }\n}\n'
+    )
+    for text in (header, index):
+        for cut in range(len(text) + 1):
+            for piece in (text[:cut], text[cut:]):
+                agree(piece)
+                index_agrees(piece)
