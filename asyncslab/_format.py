@@ -162,6 +162,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _parse_int(token: str) -> int | float:
+    return -0.0 if token == "-0" else int(token)
+
+
 def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
     """Top-level JSON object as a dict; nested objects stay tuples of pairs.
 
@@ -170,8 +174,14 @@ def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
     pair, and makes objects distinguishable from arrays (which stay lists); callers turn the
     objects they use into dicts with :func:`_as_dict`, which checks for duplicates.
     """
+    # "-0" is the float -0.0 to the reference, so not a valid size or offset; Python would
+    # read it as the integer 0. Checking for the two characters first keeps the hook (a
+    # Python call per integer) off the common path.
+    parse_int = _parse_int if "-0" in text else None
     try:
-        obj = json.loads(text, object_pairs_hook=tuple, parse_constant=_reject_constant)
+        obj = json.loads(
+            text, object_pairs_hook=tuple, parse_constant=_reject_constant, parse_int=parse_int
+        )
     except (ValueError, RecursionError) as err:
         # ValueError, not just JSONDecodeError: an integer past Python's 4300-digit limit
         # raises a bare ValueError.

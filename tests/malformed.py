@@ -275,12 +275,27 @@ CASES: list[Case] = [
     Case("shape-number", one(E(shape=4)), InvalidShapeError, r"got 4$", "t"),
     Case("shape-null", one(E(shape=None)), InvalidShapeError, r"got None", "t"),
     Case("shape-object", one(E(shape=obj(("0", 4)))), InvalidShapeError, r"non-negative", "t"),
+    # "-0" is the float -0.0 to the reference; Python's JSON alone would read integer 0.
+    Case(
+        "shape-negative-zero",
+        one(E(shape=Raw("[-0]"), offsets=(0, 0)), 0),
+        InvalidShapeError,
+        r"got \[-0\.0\]",
+        "t",
+    ),
     # --- data_offsets --------------------------------------------------------------------
     Case(
         "offsets-floats",
         one(E(offsets=Raw("[0.0,4.0]"))),
         HeaderJSONError,
         r"data_offsets must be two integers, got \[0\.0, 4\.0\]",
+        "t",
+    ),
+    Case(
+        "offsets-negative-zero",
+        one(E(offsets=Raw("[-0,4]"))),
+        HeaderJSONError,
+        r"two integers, got \[-0\.0, 4\]",
         "t",
     ),
     Case("offsets-three", one(E(offsets=(0, 4, 8))), HeaderJSONError, r"two integers", "t"),
