@@ -59,13 +59,16 @@ class Stack:
 
     ``pattern`` is a regex with a named group ``index`` (e.g. the layer number); the slab's
     name is the tensor name with the index replaced by ``*``. Indices must run 0..N-1 with
-    none missing (checked by the planner's coverage pass). Every member must have the same
-    dtype — ``dtype`` if given, else the members must agree among themselves.
+    none missing (checked by the planner's coverage pass). N is ``count`` if given, else the
+    largest index present + 1 — which cannot notice that the *last* ones are missing, so
+    pass ``count`` (e.g. the model's layer count) where it is known. Every member must have
+    the same dtype — ``dtype`` if given, else the members must agree among themselves.
     """
 
     pattern: str
     dtype: torch.dtype | None = None
     unit: str | None = None
+    count: int | None = None
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -85,7 +88,16 @@ class Stack:
             dtype = self.dtype if self.dtype is not None else _agreed_dtype(key, items)
             shape = mode_shape(info.shape for _, info in items)
             extent = max(i for i, _ in items) + 1
-            if extent > 2 * len(items) + 64:  # a stray huge index would allocate its size
+            if self.count is not None:
+                if extent > self.count:
+                    beyond = next(info for i, info in items if i >= self.count)
+                    raise CoverageError(
+                        f"stacked slab {key!r}: index {extent - 1} is past count="
+                        f"{self.count}",
+                        tensor=beyond.name,
+                    )
+                extent = self.count
+            elif extent > 2 * len(items) + 64:  # a stray huge index would allocate its size
                 raise CoverageError(
                     f"stacked slab {key!r}: indices run to {extent - 1}, but only {len(items)} "
                     "tensors are present",

@@ -923,3 +923,32 @@ def test_fingerprint_is_stable_and_sees_a_tier_change(
     assert changed.where(xname(layer, expert, "down_proj", "trellis")).slab == (
         f"model.layers.{layer}.mlp.experts.K{new}.w2.trellis"
     )
+
+
+def test_stack_count_catches_missing_last_indices(tmp_path: Path) -> None:
+    """Without a count, layers 0..2 of 4 look complete; with ``count=4`` they do not."""
+    tensors = q_weights(4)
+    del tensors["model.layers.3.attn.q.weight"]
+    ck = write(tmp_path / "ck", tensors)
+    assert plan(ck, [STACK]).slabs["model.layers.*.attn.q.weight"].slot_dims == (3,)
+    with pytest.raises(CoverageError, match=r"1 of 4 slots have no tensor: \(3,\)"):
+        plan(ck, [Stack(STACK.pattern, count=4)])
+    with pytest.raises(CoverageError, match=r"index 2 is past count=2") as info:
+        plan(ck, [Stack(STACK.pattern, count=2)])
+    assert info.value.tensor == "model.layers.2.attn.q.weight"
+    full = write(tmp_path / "full", q_weights(4))
+    assert plan(full, [Stack(STACK.pattern, count=4)]).slabs[
+        "model.layers.*.attn.q.weight"
+    ].slot_dims == (4,)
+
+
+def test_tiered_moe_n_experts_catches_a_missing_last_expert(tmp_path: Path) -> None:
+    """Inferred from the headers, experts 0..2 look like all of them; ``n_experts=4`` says
+    expert 3 is missing."""
+    tensors: dict[str, torch.Tensor] = {}
+    for expert in range(3):
+        tensors.update(expert_tensors(1, expert, 3))
+    ck = write(tmp_path / "ck", tensors)
+    plan(ck)
+    with pytest.raises(PartitionError, match=r"layer 1: .*experts in no group: 3$"):
+        plan(ck, [TieredMoE(n_experts=4)])
