@@ -919,7 +919,7 @@ def _check_index_matches(
     )
     for name, file_name in weight_map.items():
         info = tensors.get(name)
-        if info is None or info.file is not expected_for[file_name]:
+        if info is None or info.file is not expected_for.get(file_name):
             actual = f"it is in {info.file}" if info is not None else "no file has it"
             raise IndexMismatchError(
                 f"index places it in {file_name!r}, but {actual}",
@@ -927,6 +927,8 @@ def _check_index_matches(
                 tensor=name,
             )
     extra = [name for name in tensors if name not in weight_map]
+    if not extra:  # read again above, the index now agrees: it was rewritten meanwhile
+        raise IndexFileError("index changed while the checkpoint was opened", file=index.path)
     info = tensors[extra[0]]
     raise IndexMismatchError(
         f"present in the file but absent from the index ({len(extra)} such tensors)",

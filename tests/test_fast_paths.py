@@ -277,3 +277,28 @@ def test_every_prefix_and_suffix_falls_through_or_agrees() -> None:
             for piece in (text[:cut], text[cut:]):
                 agree(piece)
                 index_agrees(piece)
+
+
+def test_index_rewritten_while_opening_is_an_error_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compact index disagrees with the headers, so the index is read again to name the
+    culprit; if it was rewritten meanwhile (now agreeing), opening still fails cleanly."""
+    from asyncslab import _format
+
+    save_file({"a": torch.zeros(2), "b": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    good = json.dumps({"weight_map": {"a": "m.safetensors", "b": "m.safetensors"}})
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "m.safetensors", "a2": "m.safetensors"}})
+    )
+    monkeypatch.setattr(_format, "_index_text", lambda path: good)
+    real = _format._weight_map_compact
+    calls: list[int] = []
+
+    def first_read_is_stale(text: str) -> tuple[list[str], list[str]] | None:
+        calls.append(1)
+        return (["a", "a2"], ["m.safetensors"] * 2) if len(calls) == 1 else real(text)
+
+    monkeypatch.setattr(_format, "_weight_map_compact", first_read_is_stale)
+    with pytest.raises(IndexFileError, match="index changed while the checkpoint was opened"):
+        Checkpoint.open(tmp_path)
