@@ -338,6 +338,7 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     """The bytes asyncslab reads, coalesced by its own scheduler, read with ``os.preadv``
     into one preallocated buffer (slab by slab at asyncslab's offsets) by ``threads``
     threads: what storage, page cache and memory can do, without asyncio or bookkeeping."""
+    from ._loader import slab_layout
     from ._read import byte_view, preadv_exact
     from ._schedule import schedule
 
@@ -345,16 +346,12 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     read_size = options.get("read_size", 16 << 20)
     gap = options.get("coalesce_gap", 64 << 10)
     sched = schedule(plan, max_read=read_size, gap=gap)
-    base: dict[str, int] = {}
-    offset = 0
-    for name, spec in plan.slabs.items():
-        base[name] = offset
-        offset += spec.nbytes
+    base, total, _ = slab_layout(plan, torch.device("cpu"))
     route_base = [base[r.slab] for r in plan.routes]
-    buffer = torch.empty(max(1, plan.nbytes), dtype=torch.uint8)
+    buffer = torch.empty(max(1, total), dtype=torch.uint8)
     if task["mode"] == "warm-pretouched":
         buffer.fill_(1)
-    view = byte_view(buffer.data_ptr(), plan.nbytes)
+    view = byte_view(buffer.data_ptr(), total)
     fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
     scratch = [memoryview(bytearray(max(1, gap))) for _ in range(threads)]
     # Targets are built before the clock starts: the bound pays for syscalls only.

@@ -165,20 +165,10 @@ class SlabSet:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoadError(f"device {self.device} requested, but CUDA is not available")
         self.plan = plan
-        # One allocation holds every slab, each at an aligned offset; slab tensors are views
-        # of it, made when first asked for. A slab of its own each cost ~20 µs (allocation,
-        # views, a buffer for reads): seconds for a plan of 300,000 small tensors.
-        align = 256 if self.device.type == "cuda" else 64
-        self._offset: dict[str, int] = {}
-        empty: list[str] = []
-        total = 0
-        for name, spec in plan.slabs.items():
-            total = -(-total // align) * align
-            self._offset[name] = total
-            nbytes = spec.nbytes
-            total += nbytes
-            if nbytes == 0:
-                empty.append(name)
+        # One allocation holds every slab; slab tensors are views of it, made when first
+        # asked for. A slab of its own each cost ~20 µs (allocation, views, a buffer for
+        # reads): seconds for a plan of 300,000 small tensors.
+        self._offset, total, empty = slab_layout(plan, self.device)
         try:
             self._backing = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
         except RuntimeError as err:
@@ -652,6 +642,24 @@ class SlabSet:
                 landed += nbytes
             self._bytes_landed += landed
             ticker.tick()
+
+
+def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, list[str]]:
+    """Where each slab starts in the one allocation that holds them all, the allocation's
+    size, and the zero-size slabs. Offsets are multiples of 64 bytes on a CPU (a cache
+    line), 256 on CUDA (the alignment its allocator gives a tensor of its own)."""
+    align = 256 if device.type == "cuda" else 64
+    offsets: dict[str, int] = {}
+    empty: list[str] = []
+    total = 0
+    for name, spec in plan.slabs.items():
+        total = -(-total // align) * align
+        offsets[name] = total
+        nbytes = spec.nbytes
+        total += nbytes
+        if nbytes == 0:
+            empty.append(name)
+    return offsets, total, empty
 
 
 def _read_and_copy(
