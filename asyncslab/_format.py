@@ -658,11 +658,13 @@ class Checkpoint:
     @classmethod
     def _open(cls, path: Path) -> Checkpoint:
         index: _Index | None = None
+        index_files: dict[str, Path] = {}
         if path.is_dir():
             root = path
             if (root / INDEX_NAME).exists():
                 index = _read_index(root / INDEX_NAME)
-                paths = _index_files(root, index)
+                index_files = _index_files(root, index)
+                paths = list(index_files.values())
             else:
                 found = sorted(root.glob("*.safetensors"))
                 paths = [_check_inside(root, p.name, None) for p in found]
@@ -689,7 +691,7 @@ class Checkpoint:
         if len(tensors) != sum(map(len, per_file)):
             _raise_duplicate(files, per_file)
         if index is not None:
-            _check_index_matches(index, paths, per_file, tensors, root)
+            _check_index_matches(index, index_files, per_file, tensors)
         index_path = index.path if index is not None else None
         return cls(root, tuple(files), MappingProxyType(tensors), index_path)
 
@@ -867,9 +869,11 @@ def _check_inside(root: Path, name: str, index_path: Path | None) -> Path:
     return candidate
 
 
-def _index_files(root: Path, index: _Index) -> list[Path]:
+def _index_files(root: Path, index: _Index) -> dict[str, Path]:
+    """Each file name the index uses (in first-use order) -> the file, checked to be inside
+    ``root`` and named only once."""
     index_path = index.path
-    paths: list[Path] = []
+    paths: dict[str, Path] = {}
     by_target: dict[Path, str] = {}
     for name in dict.fromkeys(index.files):
         candidate = _check_inside(root, name, index_path)
@@ -879,20 +883,17 @@ def _index_files(root: Path, index: _Index) -> list[Path]:
                 f"{by_target[target]!r} and {name!r} name the same file", file=index_path
             )
         by_target[target] = name
-        paths.append(candidate)
+        paths[name] = candidate
     return paths
 
 
 def _check_index_matches(
     index: _Index,
-    paths: list[Path],
+    expected_for: Mapping[str, Path],
     per_file: list[list[TensorInfo]],
     tensors: Mapping[str, TensorInfo],
-    root: Path,
 ) -> None:
-    by_name = {str(p.relative_to(root)): p for p in paths}
-    # Index entries repeat a few file names a million times: resolve each name once.
-    expected_for = {name: by_name[str(Path(name))] for name in dict.fromkeys(index.files)}
+    """``expected_for``: each file name the index uses -> the file (:func:`_index_files`)."""
     # Every entry is checked by C loops; Python loops run only to name a culprit. Each index
     # name found, no two naming the same tensor, as many as the headers hold, each in the
     # file the index says: then the two agree exactly.
