@@ -344,8 +344,11 @@ def write_synthetic_parallel(directory: Path, spec: Any, workers: int) -> int:
     return total
 
 
-def _generate(root: Path, size: int) -> tuple[Path, dict[str, Any]]:
-    """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``."""
+def _generate(
+    root: Path, size: int, workers: int | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``, with
+    ``workers`` processes (default: one per two CPUs, at most one per shard)."""
     from ._synthetic import spec_for_size
 
     spec = spec_for_size(size)
@@ -355,7 +358,8 @@ def _generate(root: Path, size: int) -> tuple[Path, dict[str, Any]]:
         nbytes = sum(p.stat().st_size for p in target.glob("*.safetensors"))
         return target, {"reused": True, "bytes": nbytes, "seconds": 0.0, "spec": repr(spec)}
     t = time.perf_counter()
-    workers = max(1, min(spec.n_shards, (os.cpu_count() or 1) // 2))
+    if workers is None:
+        workers = max(1, min(spec.n_shards, (os.cpu_count() or 1) // 2))
     total = write_synthetic_parallel(target, spec, workers)
     seconds = time.perf_counter() - t
     marker.write_text(repr(spec))

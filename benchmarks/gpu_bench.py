@@ -70,32 +70,14 @@ def _log(text: str) -> None:
 
 
 def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]:
-    from asyncslab._synthetic import spec_for_size
+    """The bench's own generator (reused when already there), after the bench's own
+    disk-space check."""
+    from asyncslab._bench import _check_space, _generate
 
-    spec = spec_for_size(size)
-    target = root / f"ckpt-{size}"
-    marker = target / ".gpu-bench-spec"
-    if marker.exists() and marker.read_text() == repr(spec):
-        return target, {"reused": True, "seconds": 0.0}
-    free = shutil.disk_usage(root if root.exists() else root.parent).free
-    if size * 1.05 > free:
-        raise SystemExit(
-            f"not enough disk space under {root}: need ~{size / GiB:.1f} GiB, "
-            f"{free / GiB:.1f} GiB free (use --dir or a smaller --size)"
-        )
-    t = time.perf_counter()
-    from asyncslab._bench import write_synthetic_parallel
-
-    total = write_synthetic_parallel(target, spec, workers)
-    seconds = time.perf_counter() - t
-    marker.write_text(repr(spec))
-    return target, {
-        "reused": False,
-        "seconds": seconds,
-        "gbps": total / seconds / 1e9,
-        "bytes": total,
-        "workers": workers,
-    }
+    problem = _check_space(root, int(size * 1.05))
+    if problem:
+        raise SystemExit(f"gpu_bench: {problem}")
+    return _generate(root, size, workers)
 
 
 def h2d_bandwidth(torch: Any, device: str, reps: int) -> dict[str, Any]:
