@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
+import pytest
 import torch
 from safetensors import safe_open
 
@@ -42,3 +44,15 @@ def open_fds() -> int:
 
 def io_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("asyncslab-io")]
+
+
+def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    """Make every read of a load (CPU or staged) take ``delay`` seconds longer."""
+    from asyncslab import _copy
+    from asyncslab._read import preadv_exact
+
+    def slow(*args: object, **kwargs: object) -> int:
+        time.sleep(delay)
+        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_copy, "preadv_exact", slow)

@@ -4,16 +4,13 @@ device. Skipped cleanly where CUDA is not available (see conftest)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
-from helpers import assert_bit_identical
+from helpers import assert_bit_identical, slow_reads
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
-from asyncslab import _copy as copy_module
-from asyncslab._read import preadv_exact
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
 
@@ -75,11 +72,7 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
 
-    def slow(*args: object, **kwargs: object) -> int:
-        time.sleep(0.01)
-        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(copy_module, "preadv_exact", slow)
+    slow_reads(monkeypatch, 0.01)
     slabs = SlabSet(p, "cuda")
     task = slabs.start(ckpt, options=LoadOptions(staging_bytes=4 << 16, staging_buffers=4))
     while slabs.statistics().tensors_landed == 0:

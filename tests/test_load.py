@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_identical, io_threads, open_fds, raw_bytes
+from helpers import assert_bit_identical, io_threads, open_fds, raw_bytes, slow_reads
 from safetensors.torch import save_file
 
 import asyncslab
@@ -203,14 +203,6 @@ async def test_ready_waits_for_a_background_load(moe_checkpoint: asyncslab.Synth
         assert await task is slabs
 
 
-def _slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
-    def slow(*args: object, **kwargs: object) -> int:
-        time.sleep(delay)
-        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(copy_module, "preadv_exact", slow)
-
-
 async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -218,7 +210,7 @@ async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     p = plan(ckpt)
     fds_before, threads_before = open_fds(), len(io_threads())
     slabs = SlabSet(p)
-    _slow_reads(monkeypatch, 0.02)
+    slow_reads(monkeypatch, 0.02)
     task = slabs.start(ckpt, options=LoadOptions(read_size=8 << 10, coalesce_gap=0, io_workers=2))
     while slabs.statistics().tensors_landed == 0:
         await asyncio.sleep(0.005)
@@ -313,7 +305,7 @@ async def test_stalled_read_times_out_and_marks_slabs_unusable(
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    _slow_reads(monkeypatch, 1.0)
+    slow_reads(monkeypatch, 1.0)
     slabs = SlabSet(p)
     with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=0.05"):
         await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05))
