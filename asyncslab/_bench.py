@@ -3,9 +3,11 @@
 Every contender loads the same bytes (all routed bytes of ``asyncslab.plan(checkpoint)``)
 in a fresh process of its own (:mod:`asyncslab._bench_worker`), so resident memory and the
 first touch of fresh pages are per contender. Contenders are interleaved per run (run 1:
-A B C ..., run 2: A B C ...) so that noise on a shared machine hits all of them alike, and
-ratios are *paired*: each contender's time over asyncslab's (or the bound's) time in the
-same run, then the median of those ratios.
+A B C ..., run 2: C B A ..., bound-N next to asyncslab) so that noise and drift on a shared
+machine hit all of them alike, and ratios are *paired*: each contender's time over
+asyncslab's (or the bound's) time in the same run, then the median of those ratios. With a
+pre-touched destination a process times several passes into the same memory and reports
+their median.
 
 Modes: ``warm-fresh`` (files in the page cache, destination memory fresh: what a real
 start pays), ``warm-pretouched`` (destination memory written before the clock starts: what
@@ -123,6 +125,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--runs", type=_positive, default=3, metavar="N", help="runs per contender (default 3)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=5,
+        metavar="N",
+        help="timed passes per process in warm-pretouched mode, reported as their median "
+        "(the destination is already touched, so passes reuse it; default 5)",
     )
     parser.add_argument(
         "--mode",
@@ -505,6 +515,7 @@ class _Runner:
             "options": self.options,
             "threads": self.args.io_workers,
             "verify": self.args.verify,
+            "repeats": self.args.repeats,
         }
         if self.args.in_process:
             from ._bench_worker import run_task
@@ -842,6 +853,17 @@ def _selected(args: argparse.Namespace, universe: Sequence[str]) -> list[str]:
     return [c for c in universe if c in wanted]
 
 
+def _run_order(active: Sequence[str], run: int) -> list[str]:
+    """The order of run ``run`` (from 0): bound-N right after asyncslab, the pair the
+    targets compare, and every other run reversed, so that the machine's drift over a run
+    (~20 % over seconds on a shared VM) favours neither side of a ratio."""
+    order = [c for c in active if c != "bound-N"]
+    if "bound-N" in active:
+        at = order.index("asyncslab") + 1 if "asyncslab" in order else len(order)
+        order.insert(at, "bound-N")
+    return order[::-1] if run % 2 else order
+
+
 def _worker_env(args: argparse.Namespace) -> dict[str, str]:
     env: dict[str, str] = {}
     for item in args.worker_env:
@@ -907,7 +929,7 @@ def _bench_sized(
                 n, s = read_all(files)
                 warmups.append({"mode": mode, "run": i + 1, "bytes": n, "seconds": s})
             by_contender: dict[str, dict[str, Any]] = {}
-            for c in active:
+            for c in _run_order(active, i):
                 if not _installed(c):
                     by_contender[c] = {"skipped": "not installed"}
                     continue
@@ -946,7 +968,8 @@ def _bench_sized(
         )
     lines.append(
         f"options: io_workers={args.io_workers} (bound-N threads), read_size={args.read_mb} MiB, "
-        f"runs={args.runs}, contenders interleaved per run, "
+        f"runs={args.runs}, contenders interleaved per run (order reversed every other "
+        f"run), {args.repeats} passes per process when pre-touched, "
         f"{'IN THIS PROCESS (smoke test)' if args.in_process else 'each in a fresh process'}; "
         f"ratios are medians of per-run paired ratios"
     )

@@ -169,3 +169,34 @@ def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
     assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_run_order_pairs_asyncslab_with_the_bound_and_alternates() -> None:
+    active = [c for c in CONTENDERS if c not in _bench.PEERS]
+    first, second = _bench._run_order(active, 0), _bench._run_order(active, 1)
+    assert sorted(first) == sorted(active)
+    assert second == first[::-1]
+    at = first.index("asyncslab")
+    assert first[at + 1] == "bound-N"
+    assert _bench._run_order(["bound-1", "bound-N"], 0) == ["bound-1", "bound-N"]
+    assert _bench._run_order(["asyncslab"], 1) == ["asyncslab"]
+
+
+def test_pretouched_processes_time_several_passes(tmp_path: Path) -> None:
+    import statistics
+
+    out = tmp_path / "pt.json"
+    args = bench_args(
+        *"--size 4MiB --runs 1 --mode warm-pretouched --repeats 3 --in-process --verify 4".split(),
+        *"--contenders asyncslab,bound-N,direct-copy".split(),
+        *("--dir", str(tmp_path), "--json", str(out)),
+    )
+    assert _bench.run(args) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["contender"] for r in records} == {"asyncslab", "bound-N", "direct-copy"}
+    for rec in records:
+        assert len(rec["pass_seconds"]) == 3, rec["contender"]
+        assert rec["seconds"] == statistics.median(rec["pass_seconds"])
+        assert rec["verified"] > 0
+    asyncslab_rec = next(r for r in records if r["contender"] == "asyncslab")
+    assert asyncslab_rec["reads"] > 0
