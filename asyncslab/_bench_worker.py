@@ -367,11 +367,13 @@ def lag_summary(lags: Sequence[float]) -> dict[str, float]:
 
 
 def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int) -> dict[str, Any]:
-    """The bytes asyncslab reads, coalesced by its own scheduler, read with ``os.preadv``
-    into one preallocated buffer (slab by slab at asyncslab's offsets) by ``threads``
-    threads: what storage, page cache and memory can do, without asyncio or bookkeeping."""
+    """The bytes asyncslab reads, coalesced by its own scheduler, read with the same
+    ``preadv`` calls into one preallocated buffer (slab by slab at asyncslab's offsets) by
+    ``threads`` threads: what storage, page cache and memory can do, without asyncio or
+    bookkeeping."""
+    from ._copy import direct_scatters
     from ._loader import slab_layout
-    from ._read import byte_view, preadv_exact
+    from ._read import pread_scatter
     from ._schedule import schedule
 
     options = task.get("options", {})
@@ -383,26 +385,12 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     buffer = torch.empty(max(1, total), dtype=torch.uint8)
     if task["mode"] == "warm-pretouched":
         buffer.fill_(1)
-    view = byte_view(buffer.data_ptr(), total)
     fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
-    scratch = [memoryview(bytearray(max(1, gap))) for _ in range(threads)]
-    # Targets are built before the clock starts: the bound pays for syscalls only.
-    jobs: list[tuple[int, int, list[list[memoryview]]]] = []
-    for op in sched.ops:
-        per_thread: list[list[memoryview]] = []
-        for t in range(threads):
-            targets: list[memoryview] = []
-            position = 0
-            for route, read_offset, dst_offset, nbytes in op.pieces:
-                g = read_offset - position
-                if g:
-                    targets.append(scratch[t][:g])
-                start = route_base[route] + dst_offset
-                targets.append(view[start : start + nbytes])
-                position = read_offset + nbytes
-            per_thread.append(targets)
-        jobs.append((fds[op.file], op.offset, per_thread))
-    cursor: Iterator[tuple[int, int, list[list[memoryview]]]] = iter(())
+    scratch = torch.empty(max(1, gap), dtype=torch.uint8)
+    # Destinations are worked out before the clock starts: the bound pays for syscalls only.
+    scatters = direct_scatters(sched.ops, buffer.data_ptr(), route_base, scratch.data_ptr())
+    jobs = [(fds[op.file], op.offset, sc) for op, sc in zip(sched.ops, scatters, strict=True)]
+    cursor: Iterator[tuple[int, int, Any]] = iter(())
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -413,8 +401,8 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
                     job = next(cursor, None)
                 if job is None:
                     return
-                fd, off, per_thread = job
-                preadv_exact(fd, per_thread[index], off, path="bound")
+                fd, off, target = job
+                pread_scatter(fd, target, off, path="bound")
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             errors.append(err)
 

@@ -2,51 +2,61 @@
 
 CPU target: no staging and no copy — :func:`read_direct` scatters the read straight into
 the slots' memory (the gaps between tensors go to a scratch buffer), so each byte is
-written once. CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into
-the slots on one of several streams, bytes as bytes (a ``uint8`` view on both sides, so no
-dtype conversion can ever happen), then waits on the event recorded after the copies —
-on the worker thread, never on the event loop — before the buffer may be reused.
+written once; :func:`direct_scatters` works out those destinations once per plan.
+
+CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into the slots on one
+of several streams, bytes as bytes (a ``uint8`` view on both sides, so no dtype conversion
+can ever happen), then waits on the event recorded after the copies — on the worker
+thread, never on the event loop — before the buffer may be reused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
 
-from ._read import byte_view, preadv_exact
+from ._read import Scatter, pread_scatter, scatter
 from ._schedule import ReadOp
 
-__all__ = ["read_direct", "read_staged", "Copier", "CpuCopier", "CudaCopier"]
+__all__ = [
+    "direct_scatters",
+    "read_direct",
+    "read_staged",
+    "Copier",
+    "CpuCopier",
+    "CudaCopier",
+]
 
 
-def read_direct(
-    fd: int,
-    op: ReadOp,
-    backing: memoryview,
-    route_base: Sequence[int],
-    scratch: memoryview,
-    path: str,
-) -> int:
-    """Read ``op`` into its slots (``backing`` holds every slab; a route's slab starts at
-    ``route_base[route]``); returns bytes read (slots plus discarded gaps)."""
-    targets: list[memoryview] = []
-    position = 0
-    for route, read_offset, dst_offset, nbytes in op.pieces:
-        gap = read_offset - position
-        if gap:
-            targets.append(scratch[:gap])
-        start = route_base[route] + dst_offset
-        targets.append(backing[start : start + nbytes])
-        position = read_offset + nbytes
-    return preadv_exact(fd, targets, op.offset, path=path)
+def direct_scatters(
+    ops: Sequence[ReadOp], backing: int, route_base: Sequence[int], scratch: int
+) -> tuple[Scatter, ...]:
+    """Per read in ``ops``, where its bytes go: slots in the allocation at address
+    ``backing`` (a route's slab starts ``route_base[route]`` bytes in), gaps between
+    tensors to the scratch buffer at ``scratch`` (as large as the largest gap)."""
+
+    def regions(op: ReadOp) -> Iterator[tuple[int, int]]:
+        position = 0
+        for route, read_offset, dst_offset, nbytes in op.pieces:
+            if read_offset != position:
+                yield scratch, read_offset - position
+            yield backing + route_base[route] + dst_offset, nbytes
+            position = read_offset + nbytes
+
+    return tuple(scatter(regions(op)) for op in ops)
+
+
+def read_direct(fd: int, op: ReadOp, target: Scatter, path: str) -> int:
+    """Read ``op`` into its slots (``target``, from :func:`direct_scatters`); returns bytes
+    read (slots plus discarded gaps)."""
+    return pread_scatter(fd, target, op.offset, path=path)
 
 
 def read_staged(fd: int, op: ReadOp, buffer: torch.Tensor, path: str) -> int:
     """Read ``op`` whole into the front of a (pinned) staging buffer."""
-    view = byte_view(buffer.data_ptr(), op.nbytes)
-    return preadv_exact(fd, [view], op.offset, path=path)
+    return pread_scatter(fd, scatter([(buffer.data_ptr(), op.nbytes)]), op.offset, path=path)
 
 
 class Copier(Protocol):

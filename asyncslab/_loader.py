@@ -20,7 +20,7 @@ from typing import Literal, TypeVar
 
 import torch
 
-from ._copy import Copier, CpuCopier, CudaCopier, read_direct, read_staged
+from ._copy import Copier, CpuCopier, CudaCopier, direct_scatters, read_direct, read_staged
 from ._errors import (
     AsyncSlabError,
     ClosedError,
@@ -33,7 +33,7 @@ from ._errors import (
 )
 from ._format import Checkpoint
 from ._plan import Plan
-from ._read import IoPool, byte_view
+from ._read import IoPool, ReadFeed, Scatter
 from ._schedule import ReadOp, Schedule, schedule
 from ._staging import StagingRing
 from ._tracker import Tracker
@@ -189,9 +189,6 @@ class SlabSet:
                     f"({spec.dtype}): {str(err).splitlines()[0]}",
                     slab=name,
                 ) from err
-        self._backing_view = (
-            byte_view(self._backing.data_ptr(), total) if self.device.type == "cpu" else None
-        )
         self._adopt(plan)
         self._state: State = "empty"
         self._task: asyncio.Task[SlabSet] | None = None
@@ -369,7 +366,6 @@ class SlabSet:
                 pass
         self._closed = True
         self._tensors.clear()
-        self._backing_view = None
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     async def __aenter__(self) -> SlabSet:
@@ -396,8 +392,9 @@ class SlabSet:
             map(self._offset.__getitem__, map(operator.attrgetter("slab"), plan.routes))
         )
         self._tracker = Tracker(plan)
-        # Plans are immutable, so a reload with the same options reuses its reads.
-        self._schedules: dict[tuple[int, int], Schedule] = {}
+        # Plans are immutable and the backing stays put, so a reload with the same options
+        # reuses its reads, destinations included.
+        self._read_plans: dict[tuple[int, int], _Reads] = {}
 
     def _reset_counters(self) -> None:
         self._bytes_needed = 0
@@ -490,10 +487,11 @@ class SlabSet:
         try:
             # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
             key = (read_size, options.coalesce_gap)
-            sched = self._schedules.get(key)
-            if sched is None:
-                sched = await pool.run(schedule, plan, max_read=read_size, gap=key[1])
-                self._schedules[key] = sched
+            reads = self._read_plans.get(key)
+            if reads is None or (not staged and reads.scatters is None):
+                reads = await pool.run(self._plan_reads, reads, key, staged)
+                self._read_plans[key] = reads
+            sched = reads.schedule
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
             copier: Copier | None = None
@@ -514,12 +512,18 @@ class SlabSet:
                     self._tracker.begin(unit_done)
                     for route in sched.empty:
                         self._tracker.land(route, 0)
-                    cursor = iter(sched.ops)
                     ticker = _Ticker(progress, options.progress_interval, self.statistics)
-                    for w in range(min(workers, max(1, len(sched.ops)))):
+                    workers = min(workers, max(1, len(sched.ops)))
+                    if copier is None:
                         tg.create_task(
-                            self._worker(cursor, fds, pool, copier, options, w, ticker)
+                            self._read_direct(reads, fds, pool, options, workers, ticker)
                         )
+                    else:
+                        cursor = iter(range(len(sched.ops)))
+                        for w in range(workers):
+                            tg.create_task(
+                                self._worker(cursor, reads, fds, pool, copier, options, w, ticker)
+                            )
             except BaseExceptionGroup as group:
                 error = _first_error(group)
                 # Re-raise the root error alone, keeping its own cause (the OSError).
@@ -568,7 +572,7 @@ class SlabSet:
             # staging buffer) when it wakes: closing the fd now would let an unrelated open
             # reuse its number, and aclose() would free the memory under it. Keep both until
             # the last such read returns.
-            keep = [self._backing, self._backing_view]
+            keep = [self._backing, self._read_plans]
             pool.when_idle(lambda: _release(list(fds.values()), ring, keep))
             self._broken = (
                 "a read thread did not return within read_timeout and may still write "
@@ -584,21 +588,103 @@ class SlabSet:
         else:
             self._tracker.fail(error)
 
-    async def _worker(
+    def _plan_reads(self, known: _Reads | None, key: tuple[int, int], staged: bool) -> _Reads:
+        """Runs on an I/O thread: ``schedule()`` and, for direct reads, the destinations of
+        every read (the backing never moves while this SlabSet is open)."""
+        read_size, gap = key
+        plan = self._run_plan
+        sched = known.schedule if known else schedule(plan, max_read=read_size, gap=gap)
+        if staged:
+            return _Reads(sched)
+        scratch = torch.empty(max(1, gap), dtype=torch.uint8)
+        scatters = direct_scatters(
+            sched.ops, self._backing.data_ptr(), self._route_base, scratch.data_ptr()
+        )
+        return _Reads(sched, scatters, scratch)
+
+    async def _read_direct(
         self,
-        cursor: Iterator[ReadOp],
+        reads: _Reads,
         fds: Mapping[int, int],
         pool: IoPool,
-        copier: Copier | None,
+        options: LoadOptions,
+        workers: int,
+        ticker: _Ticker,
+    ) -> None:
+        """Reads straight into host slabs: each I/O thread takes the next read itself and
+        reports it here without waiting (see ReadFeed); this task lands what arrives and
+        watches for reads taking longer than ``read_timeout``."""
+        ops, scatters = reads.schedule.ops, reads.scatters
+        assert scatters is not None
+        paths = [str(f.path) for f in self._run_plan.files]
+        feed = ReadFeed(
+            [op.nbytes for op in ops],
+            workers,
+            max_bytes_per_s=options.max_bytes_per_s,
+            started=self._started,
+        )
+        loop = asyncio.get_running_loop()
+        land = self._tracker.land
+        broken: list[BaseException] = []
+
+        def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
+            if feed.stopped:  # the load is over (failed or cancelled): it takes no more
+                return
+            try:
+                self._reads += 1
+                self._bytes_read += n
+                total = 0
+                for route, _, _, nbytes in ops[index].pieces:
+                    land(route, nbytes)
+                    total += nbytes
+                self._bytes_landed += total
+                ticker.tick()
+            except BaseException as err:  # a landing error (or a unit callback's) ends the load
+                broken.append(err)
+                feed.stop()
+
+        def drive(worker: int) -> None:  # on an I/O thread
+            try:
+                while (index := feed.take(worker)) is not None:
+                    op = ops[index]
+                    n = read_direct(fds[op.file], op, scatters[index], paths[op.file])
+                    feed.finished(worker)
+                    # Queued before this thread's own completion: every read a thread
+                    # finished has landed by the time its drive() is seen to return.
+                    loop.call_soon_threadsafe(landed, index, n)
+            except BaseException:
+                feed.stop()
+                raise
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                drives = [tg.create_task(pool.run(drive, w)) for w in range(workers)]
+                if options.read_timeout is not None:
+                    tg.create_task(_watch(feed, drives, options.read_timeout, ops, paths))
+        finally:
+            feed.stop()
+        if broken:
+            raise broken[0]
+
+    async def _worker(
+        self,
+        cursor: Iterator[int],
+        reads: _Reads,
+        fds: Mapping[int, int],
+        pool: IoPool,
+        copier: Copier,
         options: LoadOptions,
         worker: int,
         ticker: _Ticker,
     ) -> None:
-        # Workers share one iterator: each takes the next read when it is free, so at most
-        # `workers` reads are in flight and there is never a task per read.
-        scratch = memoryview(bytearray(options.coalesce_gap))
+        # Staged reads. Workers share one iterator: each takes the next read when it is
+        # free, so at most `workers` reads are in flight and there is never a task per read.
         plan = self._run_plan
-        for op in cursor:
+        ops = reads.schedule.ops
+        assert self._ring is not None
+        ring = self._ring
+        for index in cursor:
+            op = ops[index]
             path = str(plan.files[op.file].path)
             fd = fds[op.file]
             if options.max_bytes_per_s is not None:
@@ -610,22 +696,14 @@ class SlabSet:
                     await asyncio.sleep(delay)
             try:
                 async with asyncio.timeout(options.read_timeout):
-                    if copier is None:
-                        assert self._backing_view is not None
-                        n = await pool.run(
-                            read_direct, fd, op, self._backing_view, self._route_base,
-                            scratch, path,
-                        )
-                    else:
-                        assert self._ring is not None
-                        buffer = await self._ring.acquire()
-                        n = await pool.run(
-                            _read_and_copy, copier, fd, op, buffer, self._backing,
-                            self._route_base, worker, path,
-                        )
-                        # Only after the copy completed: a cancelled copy keeps its buffer
-                        # until the drain, and the ring is discarded with the load.
-                        self._ring.release(buffer)
+                    buffer = await ring.acquire()
+                    n = await pool.run(
+                        _read_and_copy, copier, fd, op, buffer, self._backing,
+                        self._route_base, worker, path,
+                    )
+                    # Only after the copy completed: a cancelled copy keeps its buffer
+                    # until the drain, and the ring is discarded with the load.
+                    ring.release(buffer)
             except TimeoutError:
                 raise ReadTimeoutError(
                     f"read of {op.nbytes} bytes at offset {op.offset} took longer than "
@@ -642,6 +720,42 @@ class SlabSet:
                 landed += nbytes
             self._bytes_landed += landed
             ticker.tick()
+
+
+async def _watch(
+    feed: ReadFeed,
+    drives: Sequence[asyncio.Task[None]],
+    limit: float,
+    ops: Sequence[ReadOp],
+    paths: Sequence[str],
+) -> None:
+    """Until every drive has returned: fail with :class:`ReadTimeoutError` once a read has
+    been in flight for ``limit`` seconds. Wakes only when the oldest read would expire."""
+    while True:
+        oldest = feed.oldest()
+        now = time.perf_counter()
+        if oldest is not None and now - oldest[0] >= limit:
+            op = ops[oldest[1]]
+            raise ReadTimeoutError(
+                f"read of {op.nbytes} bytes at offset {op.offset} took longer than "
+                f"read_timeout={limit}s",
+                file=paths[op.file],
+                offset=op.offset,
+            )
+        wait = limit if oldest is None else oldest[0] + limit - now
+        _, pending = await asyncio.wait(drives, timeout=max(wait, 0.001))
+        if not pending:
+            return
+
+
+@dataclass(frozen=True, slots=True)
+class _Reads:
+    """A plan's reads for one (read size, gap); for direct reads into host slabs also each
+    read's destinations and the scratch buffer that takes the gaps between tensors."""
+
+    schedule: Schedule
+    scatters: tuple[Scatter, ...] | None = None
+    scratch: torch.Tensor | None = None
 
 
 def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, list[str]]:

@@ -28,6 +28,7 @@ import torch
 import asyncslab
 from asyncslab import LoadOptions
 from asyncslab._cli import parse_size
+from asyncslab._read import byte_view
 from asyncslab._schedule import schedule
 
 
@@ -36,8 +37,7 @@ async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
     for route in plan.routes:
         by_file[route.file].append(route)
 
-    view = slabs._backing_view
-    assert view is not None
+    view = byte_view(slabs._backing.data_ptr(), slabs._backing.numel())
 
     async def one_file(path: Path, routes: list[asyncslab.Route]) -> None:
         async with aiofiles.open(path, "rb", buffering=0) as f:

@@ -124,8 +124,10 @@ async def soak(root: Path, cycles: int, warmup: int, seed: int, pace: float) -> 
     p = plan(ckpt)
     expected = tf.expected_bytes(ckpt)
     fake = PacedOs(pace)
-    saved = read_module.os
+    saved = read_module.os, read_module._preadv_raw
     read_module.os = fake  # type: ignore[assignment]
+    # Loads read through libc's preadv; its os.preadv twin goes through the pacing.
+    read_module._preadv_raw = read_module._preadv_via_os
     rng = random.Random(seed)
     slabs = SlabSet(p)
     states: dict[str, int] = {}
@@ -171,7 +173,7 @@ async def soak(root: Path, cycles: int, warmup: int, seed: int, pace: float) -> 
         after = snapshot()  # like `before`: one loaded SlabSet alive
         await slabs.aclose()
     finally:
-        read_module.os = saved  # type: ignore[assignment]
+        read_module.os, read_module._preadv_raw = saved  # type: ignore[assignment]
     return {
         "before": before,
         "after": after,

@@ -49,10 +49,10 @@ def io_threads() -> list[threading.Thread]:
 def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
     """Make every read of a load (CPU or staged) take ``delay`` seconds longer."""
     from asyncslab import _copy
-    from asyncslab._read import preadv_exact
+    from asyncslab._read import pread_scatter
 
     def slow(*args: object, **kwargs: object) -> int:
         time.sleep(delay)
-        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
+        return pread_scatter(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_copy, "preadv_exact", slow)
+    monkeypatch.setattr(_copy, "pread_scatter", slow)

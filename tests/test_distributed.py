@@ -277,16 +277,21 @@ async def _all_modes(rank: int, world: int, root: Path, result: dict[str, Any]) 
 
 def _patch_preadv(behaviour: Callable[[], None]) -> Callable[[], None]:
     """Make every positional read in this process call ``behaviour`` first."""
-    real = os.preadv
+    from asyncslab import _read
+
+    real, raw = os.preadv, _read._preadv_raw
 
     def patched(fd: int, buffers: Any, offset: int, *args: Any) -> int:
         behaviour()
         return real(fd, buffers, offset, *args)
 
     os.preadv = patched
+    # Reads into host slabs go through libc's preadv; its os.preadv twin reaches the patch.
+    _read._preadv_raw = _read._preadv_via_os
 
     def undo() -> None:
         os.preadv = real
+        _read._preadv_raw = raw
 
     return undo
 

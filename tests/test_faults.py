@@ -2,7 +2,8 @@
 
 ``test_load.py`` covers the single cases (one EIO + retry, truncation or rewrite after
 planning, a stalled read, one mid-load cancel, duplicate landing); this file injects faults
-at random points through the real read path (``os.preadv`` as ``asyncslab._read`` sees it),
+at random points through the real read path (``os.preadv`` as ``asyncslab._read`` sees it,
+which then carries every read: see ``fake_os``),
 between the loader's stat check and its reads, and cancels loads at seeded random points,
 checking after each that no thread still writes, no fd leaked, units are all-or-nothing,
 and the next load is bit-exact.
@@ -172,6 +173,9 @@ def fake_os(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeOs]]:
     def install(hook: Callable[[int, Sequence[memoryview], int], int] | None = None) -> FakeOs:
         fake = FakeOs(hook)
         monkeypatch.setattr(read_module, "os", fake)
+        # Loads read through libc's preadv; its os.preadv twin hands the hook the same
+        # destinations (one memoryview per iovec entry) and the same offsets.
+        monkeypatch.setattr(read_module, "_preadv_raw", read_module._preadv_via_os)
         return fake
 
     return install

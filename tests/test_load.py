@@ -26,7 +26,7 @@ from asyncslab import (
     write_synthetic,
 )
 from asyncslab import _copy as copy_module
-from asyncslab._read import preadv_exact
+from asyncslab._read import Scatter, pread_scatter, preadv_exact
 
 pytestmark = pytest.mark.asyncio
 
@@ -239,15 +239,15 @@ async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
     p = plan(ckpt)
     calls = 0
 
-    def flaky(fd: int, targets: list[memoryview], offset: int, *, path: str) -> int:
+    def flaky(fd: int, target: Scatter, offset: int, *, path: str) -> int:
         nonlocal calls
         calls += 1
         if calls == 3:
             os_error = OSError(errno.EIO, "Input/output error")
             raise asyncslab.ReadError("read failed: Input/output error", file=path) from os_error
-        return preadv_exact(fd, targets, offset, path=path)
+        return pread_scatter(fd, target, offset, path=path)
 
-    monkeypatch.setattr(copy_module, "preadv_exact", flaky)
+    monkeypatch.setattr(copy_module, "pread_scatter", flaky)
     fds_before = open_fds()
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.ReadError, match=r"model-0000\d-of-00003\.safetensors") as info:
@@ -506,9 +506,9 @@ async def test_io_threads_run_niced_and_the_loop_does_not(
 
     def recording(*args: object, **kwargs: object) -> int:
         seen.append(os.getpriority(os.PRIO_PROCESS, 0))  # 0: the calling thread, on Linux
-        return preadv_exact(*args, **kwargs)  # type: ignore[arg-type]
+        return pread_scatter(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(copy_module, "preadv_exact", recording)
+    monkeypatch.setattr(copy_module, "pread_scatter", recording)
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = await load(ckpt, plan(ckpt), options=LoadOptions(io_nice=io_nice, read_size=64 << 10))
     assert len(seen) == slabs.statistics().reads > 1
