@@ -1020,8 +1020,9 @@ def _notes(
         "  old-path-mmap = the same with safetensors' get_tensor views kept (safetensors maps "
         "the file MAP_PRIVATE and get_tensor is a zero-copy view of it), then torch.stack;",
         "  direct-copy = torch.empty slabs, slab[slot].copy_(get_tensor(name));",
-        "  bound-1/-N = asyncslab's own coalesced reads (schedule()) by os.preadv into one "
-        "buffer of the slab bytes, 1 / N threads, targets built before the clock starts;",
+        "  bound-1/-N = asyncslab's own coalesced reads (schedule()) into one buffer of the "
+        "slab bytes by 1 / N threads, the same preadv calls (iovec arrays built before the "
+        "clock starts);",
         "  first-touch = torch.empty(slab bytes).fill_(1) (1 / N torch threads); "
         "peak RSS +MiB = VmHWM (reset at start) minus VmRSS before the timed region;",
         "  old-path, old-path-mmap and direct-copy make torch calls per tensor; each may open "
