@@ -639,7 +639,7 @@ class SlabSet:
                     total += nbytes
                 self._bytes_landed += total
                 ticker.tick()
-            except BaseException as err:  # a landing error (or a unit callback's) ends the load
+            except Exception as err:  # a landing or progress-callback error ends the load
                 broken.append(err)
                 feed.stop()
 
