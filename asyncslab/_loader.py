@@ -624,11 +624,15 @@ class SlabSet:
             started=self._started,
         )
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
         land = self._tracker.land
         broken: list[BaseException] = []
 
         def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
-            if feed.stopped:  # the load is over (failed or cancelled): it takes no more
+            # A load that is over or being torn down (this task cancelled: the load was
+            # cancelled, or a unit callback failed) lands nothing more, so no unit completes
+            # and no callback is started for a task group that is shutting down.
+            if feed.stopped or (me is not None and me.cancelling()):
                 return
             try:
                 self._reads += 1

@@ -521,3 +521,35 @@ async def test_io_threads_run_niced_and_the_loop_does_not(
 async def test_io_nice_out_of_range_is_refused(io_nice: int) -> None:
     with pytest.raises(ValueError, match="io_nice"):
         LoadOptions(io_nice=io_nice)
+
+
+async def test_failing_callback_stops_landing_without_orphan_callbacks(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """Reads still in flight when a unit callback fails land nothing more: no callback
+    coroutine is created for the task group that is shutting down (it would never be
+    awaited), and callbacks ran only for units that completed."""
+    import gc
+    import warnings
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    called: list[str] = []
+
+    async def on_unit(unit: str, slabs: SlabSet) -> None:
+        called.append(unit)
+        raise RuntimeError("post-processing broke")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(20):  # the window is a few reads wide: try it repeatedly
+            slabs = SlabSet(p)
+            with pytest.raises(asyncslab.LoadError, match="callback failed"):
+                await slabs.load(ckpt, options=SMALL, on_unit_ready=on_unit)
+            completed = set(slabs.statistics().unit_completed_at)
+            assert set(called) <= completed
+            await slabs.aclose()
+            called.clear()
+        gc.collect()
+    never_awaited = [w for w in caught if "never awaited" in str(w.message)]
+    assert never_awaited == []
