@@ -273,7 +273,7 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(read_size=64 << 10, read_timeout=0.2, io_workers=2)
+    options = LoadOptions(read_size=64 << 10, read_timeout=1.0, io_workers=2)
     from asyncslab import _copy
     from asyncslab._schedule import schedule
 
@@ -293,7 +293,7 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
     monkeypatch.setattr(_copy, "pread_scatter", stall_one)
     slabs = SlabSet(p)
     try:
-        with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=0.2") as info:
+        with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=1.0") as info:
             await slabs.load(ckpt, options=options)
         assert info.value.file == str(p.files[victim.file].path)
         assert info.value.details["offset"] == victim.offset
@@ -312,9 +312,9 @@ async def test_slow_but_steady_reads_do_not_time_out(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     slow_reads(monkeypatch, 0.02)
-    options = LoadOptions(read_size=32 << 10, read_timeout=0.3, io_workers=2)
+    options = LoadOptions(read_size=16 << 10, read_timeout=1.0, io_workers=2)
     slabs = await asyncslab.load(ckpt, p, options=options)
     stats = slabs.statistics()
-    assert stats.reads * 0.02 / 2 > 0.3
+    assert stats.reads * 0.02 / 2 > 2 * options.read_timeout
     assert stats.state == "complete"
     await slabs.aclose()
