@@ -1054,7 +1054,7 @@ def _bench_many_small(
         read_all([fixture.path])
         for label, rules in plans.items():
             by_contender: dict[str, dict[str, Any]] = {}
-            for c in contenders:
+            for c in _run_order(contenders, i):
                 rec = runner.run(c, "warm-fresh", rules, fixture.nbytes)
                 by_contender[c] = rec
                 records.append(

@@ -9,10 +9,10 @@ is *drained*: the load does not return while a thread may still write into a sla
 A load's reads go through :class:`Scatter`: each read's destinations as a ready-made iovec
 array, built once per plan and reused by every load, handed to libc's ``preadv`` with no
 Python object per destination. ``os.preadv`` wants a buffer object per destination: a 3 GiB
-load made ~30,000 memoryviews, which kept I/O threads contending for the GIL between
-syscalls and pushed the cyclic garbage collector into full collections (~85 ms holding the
-GIL in a process that imports torch) every few loads. ``os.preadv`` remains the fallback
-where libc's is not reachable, and :func:`preadv_exact` serves callers with memoryviews.
+load made ~30,000 memoryviews, enough to run the cyclic garbage collector ~13 times per load
+and, every ~16 loads, a full collection holding the GIL ~85 ms in a process that imports
+torch. ``os.preadv`` remains the fallback where libc's is not reachable, and
+:func:`preadv_exact` serves callers with memoryviews.
 """
 
 from __future__ import annotations
@@ -270,8 +270,6 @@ _preadv_raw: Callable[[int, int, int, int], int] = _libc_preadv() or _preadv_via
 
 def byte_view(address: int, nbytes: int) -> memoryview:
     """A writable memoryview of ``nbytes`` at ``address``; the caller keeps the owner alive."""
-    import ctypes
-
     if nbytes == 0:
         return memoryview(bytearray())
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
