@@ -318,3 +318,20 @@ async def test_slow_but_steady_reads_do_not_time_out(
     assert stats.reads * 0.02 / 2 > 2 * options.read_timeout
     assert stats.state == "complete"
     await slabs.aclose()
+
+
+@pytest.mark.asyncio
+async def test_io_threads_give_up_the_core_after_every_read(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two reads an I/O thread yields its core, so that a waking event loop does not
+    wait for the scheduler's next tick while every core is busy reading."""
+    from asyncslab import _loader
+
+    yields: list[str] = []
+    monkeypatch.setattr(_loader, "_yield", lambda: yields.append(threading.current_thread().name))
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    slabs = await asyncslab.load(ckpt, plan(ckpt), options=LoadOptions(read_size=32 << 10))
+    assert len(yields) == slabs.statistics().reads > 1
+    assert all(name.startswith("asyncslab-io") for name in yields)  # never the loop thread
+    await slabs.aclose()
