@@ -325,7 +325,7 @@ async def test_io_threads_give_up_the_core_after_every_read(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between two reads an I/O thread yields its core, so that a waking event loop does not
-    wait for the scheduler's next tick while every core is busy reading."""
+    wait for one while every core is busy reading."""
     from asyncslab import _loader
 
     yields: list[str] = []
