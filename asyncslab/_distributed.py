@@ -54,7 +54,7 @@ from ._format import Checkpoint, TensorInfo
 from ._loader import LoadOptions, SlabSet, _open_checked
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Claim, Plan, Rule, plan
-from ._read import byte_view, preadv_exact
+from ._read import pread_scatter, scatter
 from ._rules import Dense, RowSlice
 
 __all__ = [
@@ -744,7 +744,7 @@ class _Session:
         filled: dict[int, BaseException | None] = {}
 
         def reader() -> None:
-            views = [byte_view(t.data_ptr(), size) for t in host]
+            addresses = [t.data_ptr() for t in host]
             for k in mine:
                 with cond:
                     while state["done"] < k - nbuf + 1 and not state["stop"]:
@@ -754,12 +754,12 @@ class _Session:
                 result: BaseException | None = None
                 if not self._failing():
                     try:
-                        view = views[k % nbuf]
+                        address = addresses[k % nbuf]
                         for seg in chunks[k].segments:
                             path = str(self.plan.files[seg.file].path)
-                            preadv_exact(
+                            pread_scatter(
                                 self.fds[seg.file],
-                                [view[seg.at : seg.at + seg.nbytes]],
+                                scatter([(address + seg.at, seg.nbytes)]),
                                 seg.offset,
                                 path=path,
                             )

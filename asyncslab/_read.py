@@ -11,8 +11,7 @@ array, built once per plan and reused by every load, handed to libc's ``preadv``
 Python object per destination. ``os.preadv`` wants a buffer object per destination: a 3 GiB
 load made ~30,000 memoryviews, enough to run the cyclic garbage collector ~13 times per load
 and, every ~16 loads, a full collection holding the GIL ~85 ms in a process that imports
-torch. ``os.preadv`` remains the fallback where libc's is not reachable, and
-:func:`preadv_exact` serves callers with memoryviews.
+torch. ``os.preadv`` remains the fallback where libc's is not reachable.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ __all__ = [
     "Scatter",
     "scatter",
     "pread_scatter",
-    "preadv_exact",
     "byte_view",
 ]
 
@@ -51,48 +49,6 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 #: waited that long. Smaller syscalls give the scheduler a chance every few hundred µs;
 #: the extra calls cost nothing measurable.
 SYSCALL_BYTES = 1 << 20
-
-
-def preadv_exact(fd: int, targets: Sequence[memoryview], offset: int, *, path: str) -> int:
-    """Fill every buffer in ``targets`` from ``offset`` on; a short read is a
-    :class:`ReadError` (the file was truncated after planning)."""
-    total = sum(len(t) for t in targets)
-    done = 0
-    index = 0
-    skip = 0  # bytes of targets[index] already filled
-    while done < total:  # not `index < len(targets)`: empty targets alone need no read
-        batch: list[memoryview] = []
-        room = SYSCALL_BYTES
-        i, start = index, skip
-        while room and i < len(targets) and len(batch) < _IOV_MAX:
-            piece = targets[i][start : start + room]
-            if piece:
-                batch.append(piece)
-                room -= len(piece)
-            i += 1
-            start = 0
-        try:
-            n = os.preadv(fd, batch, offset + done)
-        except OSError as err:
-            raise ReadError(
-                f"read of {total} bytes at offset {offset} failed: {err.strerror or err}",
-                file=path,
-                offset=offset,
-            ) from err
-        if n == 0:
-            raise ReadError(
-                f"file ended early: got {done} of {total} bytes at offset {offset} "
-                "(truncated after planning?)",
-                file=path,
-                offset=offset,
-            )
-        done += n
-        n += skip
-        while index < len(targets) and n >= len(targets[index]):
-            n -= len(targets[index])
-            index += 1
-        skip = n
-    return done
 
 
 # --- scatter reads through ready-made iovec arrays ---------------------------------------

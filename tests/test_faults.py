@@ -44,7 +44,7 @@ from asyncslab import (
     write_synthetic,
 )
 from asyncslab import _read as read_module
-from asyncslab._read import preadv_exact
+from asyncslab._read import pread_scatter, scatter
 
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
@@ -353,7 +353,7 @@ async def test_short_reads_still_land_bit_exact(
     cuts=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20),
     syscall_bytes=st.integers(1, 100),
 )
-def test_property_preadv_exact_partial_reads(
+def test_property_partial_reads_through_os_preadv(
     sizes: list[int],
     offset: int,
     cuts: list[float],
@@ -373,17 +373,19 @@ def test_property_preadv_exact_partial_reads(
         assert 0 < want <= syscall_bytes
         return os.preadv(fd, trimmed(buffers, max(1, round(next(calls) * want))), at)
 
-    targets = [memoryview(bytearray(n)) for n in sizes]
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
     fd = os.open(path, os.O_RDONLY)
-    saved = read_module.os, read_module.SYSCALL_BYTES
+    saved = read_module.os, read_module.SYSCALL_BYTES, read_module._preadv_raw
     read_module.os = FakeOs(partial)  # type: ignore[assignment]
     read_module.SYSCALL_BYTES = syscall_bytes
+    read_module._preadv_raw = read_module._preadv_via_os
     try:
-        assert preadv_exact(fd, targets, offset, path=str(path)) == total
+        target = scatter([(t.data_ptr(), t.numel()) for t in targets])
+        assert pread_scatter(fd, target, offset, path=str(path)) == total
     finally:
-        read_module.os, read_module.SYSCALL_BYTES = saved  # type: ignore[assignment]
+        read_module.os, read_module.SYSCALL_BYTES, read_module._preadv_raw = saved  # type: ignore[assignment]
         os.close(fd)
-    assert b"".join(bytes(t) for t in targets) == data[offset:]
+    assert b"".join(bytes(t.tolist()) for t in targets) == data[offset:]
 
 
 # --- I/O errors ------------------------------------------------------------------------------

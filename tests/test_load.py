@@ -26,7 +26,7 @@ from asyncslab import (
     write_synthetic,
 )
 from asyncslab import _copy as copy_module
-from asyncslab._read import Scatter, pread_scatter, preadv_exact
+from asyncslab._read import Scatter, pread_scatter, scatter
 
 pytestmark = pytest.mark.asyncio
 
@@ -264,8 +264,9 @@ async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
 
 async def test_real_eio_from_the_os_becomes_read_error(tmp_path: Path) -> None:
     # A directory fd makes preadv fail with EISDIR: a real OSError through the real path.
+    buffer = torch.zeros(4, dtype=torch.uint8)
     with pytest.raises(asyncslab.ReadError, match="failed") as info:
-        preadv_exact(os.open(tmp_path, os.O_RDONLY), [memoryview(bytearray(4))], 0, path="dir")
+        pread_scatter(os.open(tmp_path, os.O_RDONLY), scatter([(buffer.data_ptr(), 4)]), 0, path="dir")
     assert isinstance(info.value.__cause__, OSError)
 
 
@@ -295,7 +296,8 @@ async def test_file_shrinking_during_read_is_a_short_read(tmp_path: Path) -> Non
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(asyncslab.ReadError, match="ended early"):
-            preadv_exact(fd, [memoryview(bytearray(8))], 0, path=str(path))
+            buffer = torch.zeros(8, dtype=torch.uint8)
+            pread_scatter(fd, scatter([(buffer.data_ptr(), 8)]), 0, path=str(path))
     finally:
         os.close(fd)
 
