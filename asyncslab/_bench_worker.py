@@ -394,7 +394,7 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
-    def work(index: int) -> None:
+    def work() -> None:
         try:
             while True:
                 with lock:
@@ -409,7 +409,7 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     def one_pass() -> float:
         nonlocal cursor
         cursor = iter(jobs)
-        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        pool = [threading.Thread(target=work) for _ in range(threads)]
         t0 = time.perf_counter()
         for th in pool:
             th.start()

@@ -401,7 +401,6 @@ class SlabSet:
         self._bytes_read = 0
         self._bytes_landed = 0
         self._reads = 0
-        self._bytes_paced = 0
         self._started = 0.0
         self._ended: float | None = None
         self._ring: StagingRing | None = None
@@ -519,10 +518,15 @@ class SlabSet:
                             self._read_direct(reads, fds, pool, options, workers, ticker)
                         )
                     else:
-                        cursor = iter(range(len(sched.ops)))
+                        feed = ReadFeed(
+                            [op.nbytes for op in sched.ops],
+                            workers,
+                            max_bytes_per_s=options.max_bytes_per_s,
+                            started=self._started,
+                        )
                         for w in range(workers):
                             tg.create_task(
-                                self._worker(cursor, reads, fds, pool, copier, options, w, ticker)
+                                self._worker(feed, reads, fds, pool, copier, options, w, ticker)
                             )
             except BaseExceptionGroup as group:
                 error = _first_error(group)
@@ -677,7 +681,7 @@ class SlabSet:
 
     async def _worker(
         self,
-        cursor: Iterator[int],
+        feed: ReadFeed,
         reads: _Reads,
         fds: Mapping[int, int],
         pool: IoPool,
@@ -686,23 +690,20 @@ class SlabSet:
         worker: int,
         ticker: _Ticker,
     ) -> None:
-        # Staged reads. Workers share one iterator: each takes the next read when it is
-        # free, so at most `workers` reads are in flight and there is never a task per read.
+        # Staged reads. Workers share one feed: each claims the next read when it is free,
+        # so at most `workers` reads are in flight and there is never a task per read.
         plan = self._run_plan
         ops = reads.schedule.ops
         assert self._ring is not None
         ring = self._ring
-        for index in cursor:
+        while (claimed := feed.claim()) is not None:
+            index, due = claimed
             op = ops[index]
             path = str(plan.files[op.file].path)
             fd = fds[op.file]
-            if options.max_bytes_per_s is not None:
-                # Each read starts no earlier than the rate allows for the bytes before it.
-                self._bytes_paced += op.nbytes
-                due = self._started + self._bytes_paced / options.max_bytes_per_s
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             try:
                 async with asyncio.timeout(options.read_timeout):
                     buffer = await ring.acquire()
