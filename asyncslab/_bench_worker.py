@@ -11,6 +11,7 @@ what a server start would pay for that contender.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
@@ -29,8 +30,18 @@ import torch
 RESULT_MARK = "@@asyncslab-bench-result@@ "
 IDLE_LAG_S = 0.3  # ticker control before the load: the machine's own scheduling lag
 
-# Peers benchmarked when importable (never installed by the benchmark).
-PEERS = {"runai-model-streamer": "runai_model_streamer", "fastsafetensors": "fastsafetensors"}
+# Peers benchmarked when importable (the ``peers`` extra installs them), each in the
+# configurations tried, with the module each needs; "-N" = N reader threads, as in bound-N.
+PEERS = {
+    # SafetensorsStreamer.stream_files over every shard at once (as vLLM calls it), with the
+    # library's default reader concurrency, then RUNAI_STREAMER_CONCURRENCY=N.
+    "runai-model-streamer": "runai_model_streamer",
+    "runai-model-streamer-N": "runai_model_streamer",
+    # fastsafe_open's defaults (O_DIRECT reads on a local disk: the page cache is bypassed
+    # even when warm), then buffered reads (FASTSAFETENSORS_ODIRECT=0) with N threads.
+    "fastsafetensors": "fastsafetensors",
+    "fastsafetensors-buffered-N": "fastsafetensors",
+}
 
 
 # --------------------------------------------------------------------------- memory
@@ -458,34 +469,82 @@ def run_first_touch(task: dict[str, Any], plan: Any, *, threads: int) -> dict[st
 
 
 def run_peer(task: dict[str, Any], checkpoint: Any, plan: Any, peer: str) -> dict[str, Any]:
-    """A peer loader reads the tensors; each lands in a preallocated slab slot (so every
-    contender ends with the same slabs). Adapters follow the peers' documented APIs but
-    could not be exercised where this was written (peers not installed there)."""
-    groups = routes_by_file(plan)
-    paths = [p for p, _ in groups]
+    """A peer loader reads the tensors; each lands in a preallocated slab slot, so every
+    contender ends with the same slabs (an engine using a peer copies into its parameters
+    the same way). Only the peer's own API is used; configuration it reads from the
+    environment is set for the run (before its first use)."""
+    n = task.get("threads", 4)
+    if peer not in PEERS:
+        raise ValueError(f"unknown peer {peer!r}")
+    settings = {
+        "runai-model-streamer-N": {"RUNAI_STREAMER_CONCURRENCY": str(n)},
+        "fastsafetensors-buffered-N": {"FASTSAFETENSORS_ODIRECT": "0"},
+    }.get(peer, {})
+    with environ(settings):
+        return _run_peer(task, plan, peer, n)
+
+
+@contextlib.contextmanager
+def environ(settings: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the block only (``--in-process`` runs share one)."""
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_peer(task: dict[str, Any], plan: Any, peer: str, n: int) -> dict[str, Any]:
+    paths = [p for p, _ in routes_by_file(plan)]
     wanted = {r.tensor: r for r in plan.routes}
+    landed = 0
+
+    def land(name: str, tensor: torch.Tensor) -> None:
+        nonlocal landed
+        route = wanted.get(name)
+        if route is not None:  # tensors the plan does not route are read but dropped
+            slabs[route.slab][route.slot].copy_(tensor)
+            landed += 1
+
     timed = Timed()
     timed.start()
-    slabs = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in plan.slabs.items()}
-    if peer == "runai-model-streamer":
-        from runai_model_streamer import SafetensorsStreamer  # type: ignore[import-not-found]
+    slabs = {name: torch.empty(s.shape, dtype=s.dtype) for name, s in plan.slabs.items()}
+    if peer.startswith("runai-model-streamer"):
+        from runai_model_streamer import SafetensorsStreamer
 
         with SafetensorsStreamer() as streamer:
-            for path in paths:
-                streamer.stream_file(path)
-                for name, tensor in streamer.get_tensors():
-                    route = wanted.get(name)
-                    if route is not None:
-                        slabs[route.slab][route.slot].copy_(tensor)
+            streamer.stream_files(paths)
+            for name, tensor in streamer.get_tensors():
+                land(name, tensor)
     elif peer == "fastsafetensors":
-        from fastsafetensors import fastsafe_open  # type: ignore[import-not-found]
+        from fastsafetensors import fastsafe_open
 
+        # nogds: GPUDirect Storage needs a CUDA device; this is the host path.
         with fastsafe_open(filenames=paths, nogds=True, device="cpu") as f:
-            for name, route in wanted.items():
-                slabs[route.slab][route.slot].copy_(f.get_tensor(name))
+            for name in wanted:
+                land(name, f.get_tensor(name))
     else:
-        raise ValueError(f"unknown peer {peer!r}")
+        from fastsafetensors import SafeTensorsFileLoader
+
+        loader = SafeTensorsFileLoader(None, "cpu", nogds=True, max_threads=n)
+        try:
+            loader.add_filenames({0: paths})
+            buffers = loader.copy_files_to_device()
+            try:
+                for name in wanted:
+                    land(name, buffers.get_tensor(name))
+            finally:
+                buffers.close()
+        finally:
+            loader.close()
     timed.stop()
+    if landed != len(wanted):
+        raise RuntimeError(f"{peer} returned {landed} of the {len(wanted)} routed tensors")
     rec = timed.record()
     rec["verified"] = verify(plan, lambda r: slot_of(slabs, r), task["verify"])
     return rec

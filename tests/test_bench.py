@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> Non
         if importlib.util.find_spec(_bench.PEERS[peer]) is None:
             assert peer_recs == []
             assert peer in smoke["table"]
+        else:  # the adapter drove the real library and every sampled slot holds its bytes
+            assert [r.get("error") for r in peer_recs] == [None], peer
+            assert peer_recs[0]["verified"] > 0, peer
     assert {t["target"] for t in report["targets"]}
 
 
@@ -200,3 +204,47 @@ def test_pretouched_processes_time_several_passes(tmp_path: Path) -> None:
         assert rec["verified"] > 0
     asyncslab_rec = next(r for r in records if r["contender"] == "asyncslab")
     assert asyncslab_rec["reads"] > 0
+
+
+def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() -> None:
+    peers = list(_bench.PEERS)
+    runs = [
+        {"asyncslab": {"seconds": 1.0}, peers[0]: {"seconds": 3.0}, peers[1]: {"seconds": 2.0}},
+        # A peer that failed in a run leaves the others to compete.
+        {"asyncslab": {"seconds": 2.0}, peers[0]: {"error": "x"}, peers[1]: {"seconds": 8.0}},
+        {"asyncslab": {"seconds": 1.0}, peers[0]: {"seconds": 0.5}},
+    ]
+    targets = _bench._targets({"warm-fresh": {}}, {"warm-fresh": runs}, [], 1)
+    (best,) = [t for t in targets if t["target"].startswith("warm fresh: best peer")]
+    assert best["measured"] == 2.0  # median of 2/1, 8/2, 0.5/1
+    assert best["ok"] is True
+    no_peers = _bench._targets({}, {"warm-fresh": [{"asyncslab": {"seconds": 1.0}}]}, [], 1)
+    assert not [t for t in no_peers if "best peer" in t["target"]]
+
+
+def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncslab import _bench_worker
+
+    monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "1")
+    monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
+    seen: dict[str, tuple[str | None, str | None]] = {}
+
+    def fake_run(task: Any, plan: Any, peer: str, n: int) -> dict[str, Any]:
+        seen[peer] = (
+            os.environ.get("FASTSAFETENSORS_ODIRECT"),
+            os.environ.get("RUNAI_STREAMER_CONCURRENCY"),
+        )
+        raise RuntimeError("peer failed")
+
+    monkeypatch.setattr(_bench_worker, "_run_peer", fake_run)
+    for peer in ("fastsafetensors-buffered-N", "runai-model-streamer-N"):
+        with pytest.raises(RuntimeError, match="peer failed"):
+            _bench_worker.run_peer({"threads": 3}, None, None, peer)
+    assert seen == {
+        "fastsafetensors-buffered-N": ("0", None),
+        "runai-model-streamer-N": ("1", "3"),
+    }
+    assert os.environ["FASTSAFETENSORS_ODIRECT"] == "1"
+    assert "RUNAI_STREAMER_CONCURRENCY" not in os.environ
+    with pytest.raises(ValueError, match="unknown peer"):
+        _bench_worker.run_peer({}, None, None, "safetensors-fast")
