@@ -1033,11 +1033,12 @@ def _notes(
         "clock starts);",
         "  first-touch = torch.empty(slab bytes).fill_(1) (1 / N torch threads); "
         "peak RSS +MiB = VmHWM (reset at start) minus VmRSS before the timed region;",
-        "  peers: each returned tensor copied into its slab slot; runai-model-streamer = "
-        "SafetensorsStreamer.stream_files(all shards), its default concurrency / "
-        "RUNAI_STREAMER_CONCURRENCY=N; fastsafetensors = fastsafe_open(nogds=True) (O_DIRECT "
-        "on a local disk, so it reads from storage even when the cache is warm) / buffered "
-        "reads (FASTSAFETENSORS_ODIRECT=0) with max_threads=N;",
+        "  peers: each returned tensor copied into its slab slot; by default both read a local "
+        "disk with O_DIRECT, past a warm page cache; runai-model-streamer = "
+        "SafetensorsStreamer.stream_files(all shards) with its defaults (io_uring, O_DIRECT) / "
+        "RUNAI_STREAMER_FS_STRATEGY=sync_buffered, RUNAI_STREAMER_CONCURRENCY=N; "
+        "fastsafetensors = fastsafe_open(nogds=True) with its defaults / buffered reads "
+        "(FASTSAFETENSORS_ODIRECT=0) with max_threads=N;",
         "  old-path, old-path-mmap and direct-copy make torch calls per tensor; each may open "
         "an intra-op (OpenMP) parallel region, which stalls when other processes hold the "
         "cores: --worker-env OMP_NUM_THREADS=1 separates that effect.",

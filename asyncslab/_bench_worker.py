@@ -32,13 +32,16 @@ IDLE_LAG_S = 0.3  # ticker control before the load: the machine's own scheduling
 
 # Peers benchmarked when importable (the ``peers`` extra installs them), each in the
 # configurations tried, with the module each needs; "-N" = N reader threads, as in bound-N.
+# Both peers read local disks with O_DIRECT by default, past a warm page cache; the second
+# configuration of each reads through the cache.
 PEERS = {
-    # SafetensorsStreamer.stream_files over every shard at once (as vLLM calls it), with the
-    # library's default reader concurrency, then RUNAI_STREAMER_CONCURRENCY=N.
+    # SafetensorsStreamer.stream_files over every shard at once (as vLLM calls it): its
+    # defaults (io_uring, O_DIRECT), then RUNAI_STREAMER_FS_STRATEGY=sync_buffered with
+    # RUNAI_STREAMER_CONCURRENCY=N reader threads.
     "runai-model-streamer": "runai_model_streamer",
-    "runai-model-streamer-N": "runai_model_streamer",
-    # fastsafe_open's defaults (O_DIRECT reads on a local disk: the page cache is bypassed
-    # even when warm), then buffered reads (FASTSAFETENSORS_ODIRECT=0) with N threads.
+    "runai-model-streamer-buffered-N": "runai_model_streamer",
+    # fastsafe_open's defaults (O_DIRECT), then SafeTensorsFileLoader with buffered reads
+    # (FASTSAFETENSORS_ODIRECT=0) and max_threads=N.
     "fastsafetensors": "fastsafetensors",
     "fastsafetensors-buffered-N": "fastsafetensors",
 }
@@ -477,7 +480,10 @@ def run_peer(task: dict[str, Any], checkpoint: Any, plan: Any, peer: str) -> dic
     if peer not in PEERS:
         raise ValueError(f"unknown peer {peer!r}")
     settings = {
-        "runai-model-streamer-N": {"RUNAI_STREAMER_CONCURRENCY": str(n)},
+        "runai-model-streamer-buffered-N": {
+            "RUNAI_STREAMER_FS_STRATEGY": "sync_buffered",
+            "RUNAI_STREAMER_CONCURRENCY": str(n),
+        },
         "fastsafetensors-buffered-N": {"FASTSAFETENSORS_ODIRECT": "0"},
     }.get(peer, {})
     with environ(settings):

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -227,24 +228,63 @@ def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "1")
     monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
-    seen: dict[str, tuple[str | None, str | None]] = {}
+    monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY", raising=False)
+    names = ("FASTSAFETENSORS_ODIRECT", "RUNAI_STREAMER_FS_STRATEGY", "RUNAI_STREAMER_CONCURRENCY")
+    seen: dict[str, tuple[str | None, ...]] = {}
 
     def fake_run(task: Any, plan: Any, peer: str, n: int) -> dict[str, Any]:
-        seen[peer] = (
-            os.environ.get("FASTSAFETENSORS_ODIRECT"),
-            os.environ.get("RUNAI_STREAMER_CONCURRENCY"),
-        )
+        seen[peer] = tuple(os.environ.get(name) for name in names)
         raise RuntimeError("peer failed")
 
     monkeypatch.setattr(_bench_worker, "_run_peer", fake_run)
-    for peer in ("fastsafetensors-buffered-N", "runai-model-streamer-N"):
+    expected = {
+        "fastsafetensors-buffered-N": ("0", None, None),
+        "runai-model-streamer-buffered-N": ("1", "sync_buffered", "3"),
+        "fastsafetensors": ("1", None, None),  # defaults: the environment as it was
+    }
+    for peer in expected:
         with pytest.raises(RuntimeError, match="peer failed"):
             _bench_worker.run_peer({"threads": 3}, None, None, peer)
-    assert seen == {
-        "fastsafetensors-buffered-N": ("0", None),
-        "runai-model-streamer-N": ("1", "3"),
-    }
-    assert os.environ["FASTSAFETENSORS_ODIRECT"] == "1"
-    assert "RUNAI_STREAMER_CONCURRENCY" not in os.environ
+    assert seen == expected
+    assert [os.environ.get(name) for name in names] == ["1", None, None]
     with pytest.raises(ValueError, match="unknown peer"):
         _bench_worker.run_peer({}, None, None, "safetensors-fast")
+
+
+def _plot_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_plot", REPO / "benchmarks" / "plot.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_plot_draws_what_the_table_says(smoke: dict[str, Any], tmp_path: Path) -> None:
+    plot = _plot_module()
+    report = smoke["json"]
+    (panel,) = plot.panels(report)  # the smoke run measured one mode
+    summary = report["summary"]["warm-fresh"]
+    measured = [name for name, row in summary.items() if "seconds" in row]
+    assert [b.contender for b in panel.bars] == measured
+    for bar in panel.bars:
+        assert bar.value == summary[bar.contender]["gbps"]
+    by_name = {b.contender: b for b in panel.bars}
+    assert by_name["asyncslab"].kind == "asyncslab"
+    assert by_name["asyncslab"].label == ""  # no ratio to itself
+    assert by_name["bound-N"].kind == "bound"
+    assert by_name["old-path"].kind == "old"
+    assert by_name["old-path"].label.endswith("x asyncslab's time")
+    out = tmp_path / "bench.png"
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    assert plot.main([str(tmp_path / "report.json"), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_refuses_a_report_with_nothing_measured(tmp_path: Path) -> None:
+    plot = _plot_module()
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"summary": {"cold": {"asyncslab": {"runs": 0, "status": "-"}}}}))
+    assert plot.main([str(empty), "-o", str(tmp_path / "x.png")]) == 1
+    assert not (tmp_path / "x.png").exists()
