@@ -71,7 +71,7 @@ APPLICABLE = {
     "warm-pretouched": {"direct-copy", "asyncslab", "bound-1", "bound-N"},
     "cold": set(CONTENDERS) - {"first-touch-1", "first-touch-N"},
 }
-MANY_SMALL_CONTENDERS = ("old-path", "direct-copy", "asyncslab", "bound-N")
+MANY_SMALL_CONTENDERS = ("old-path", "direct-copy", "asyncslab", "bound-N", *PEERS)
 # How much anonymous memory a contender holds at its peak, in multiples of the slab bytes.
 # fastsafetensors reads whole files into a buffer of its own, then the slabs are filled.
 MEMORY_FACTOR = {"old-path": 2.0, "fastsafetensors": 2.0, "fastsafetensors-buffered-N": 2.0}
@@ -1069,6 +1069,9 @@ def _bench_many_small(
         for label, rules in plans.items():
             by_contender: dict[str, dict[str, Any]] = {}
             for c in _run_order(contenders, i):
+                if not _installed(c):
+                    by_contender[c] = {"skipped": "not installed"}
+                    continue
                 rec = runner.run(c, "warm-fresh", rules, fixture.nbytes)
                 by_contender[c] = rec
                 records.append(

@@ -150,7 +150,10 @@ def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for plan in ("dense", "stack"):
         got = {r["contender"] for r in records if r["plan"] == plan and r.get("seconds", 0) > 0}
         assert {"asyncslab", "old-path", "direct-copy"} <= got
+        installed = {c for c, m in _bench.PEERS.items() if importlib.util.find_spec(m)}
+        assert installed <= got  # peers too, where installed
         assert {r["tensors"] for r in records if r["plan"] == plan} == {2000}
+        assert all(r["verified"] > 0 for r in records if r["plan"] == plan), plan
 
 
 def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
