@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Plot ``asyncslab bench --json`` reports: one panel per mode, GB/s of every contender.
 
-    python benchmarks/plot.py RUN.json [--many-small MANY.json] -o docs/bench.png
+    python benchmarks/plot.py RUN.json [--many-small MANY.json] -o docs/img/bench.png
 
 Bars are the medians the bench's table prints (a contender skipped or not applicable in a
 mode has no bar); the label on each bar is its paired ratio to asyncslab from the same
-report, so the picture says what the table says. With ``--many-small``, a last panel shows
-tensors/s for the many-small-tensors case. Needs matplotlib (the ``plot`` extra).
+report, so the picture says what the table says. With ``--many-small``, one more panel per
+plan shows tensors/s for the many-small-tensors case. Needs matplotlib (the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = report.get("checkpoint", {})
     title = args.title or (
         f"asyncslab bench: {ckpt.get('slab_bytes', 0) / (1 << 30):.2f} GiB of slabs, "
-        f"{ckpt.get('tensors_routed', '?')} tensors, medians of per-run paired ratios"
+        f"{ckpt.get('tensors_routed', '?')} tensors; bars: medians, labels: paired ratios"
     )
     draw(figure_panels, title, args.out)
     print(f"wrote {args.out}")
