@@ -11,11 +11,14 @@ What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 2
    cache: the loads below measure page cache -> pinned staging -> device, not the disk;
 2. measure pinned host-to-device bandwidth with a plain copy (a pinned 1 GiB tensor
    ``.to('cuda', non_blocking=True)``, CUDA events, median of ``--reps``);
-3. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then once per
-   ``--streams`` value; the old path (every per-expert tensor moved to the device on its
+3. read the same bytes with plain threads into pinned buffers, no device copy (the host
+   bound: what page cache and host memory give a staged load), with ``--host-threads``;
+4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then once per
+   ``--streams`` value and per ``--staging`` ring size, then once more with the defaults
+   (drift over the run); the old path (every per-expert tensor moved to the device on its
    own and kept, then ``torch.stack`` per slab on the device) ``--old-runs`` times;
-4. check a sample of tensors byte for byte against ``safetensors`` ``get_tensor``;
-5. print one table, and write the report as JSON to ``--json FILE`` when given.
+5. check a sample of tensors byte for byte against ``safetensors`` ``get_tensor``;
+6. print one table, and write the report as JSON to ``--json FILE`` when given.
 
 Targets printed (never asserted): asyncslab >= 90 % of the measured pinned H2D bandwidth;
 peak device memory <= slab bytes + 1 %.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -49,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=3, help="asyncslab loads with default options")
     p.add_argument("--old-runs", type=int, default=1, help="old-path loads (0: skip)")
     p.add_argument("--streams", default="1,2,4,8", help="streams sweep (comma-separated)")
+    p.add_argument(
+        "--staging",
+        default="16,32",
+        help="staging sweep: buffers of 32 MiB (the default ring has 8), comma-separated",
+    )
+    p.add_argument(
+        "--host-threads",
+        default="8,16",
+        help="host bound: threads reading the staged reads into pinned buffers, no copy",
+    )
     p.add_argument("--reps", type=int, default=7, help="H2D copy repetitions")
     p.add_argument("--verify", type=int, default=64, help="tensors compared per contender")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
@@ -100,6 +114,50 @@ def h2d_bandwidth(torch: Any, device: str, reps: int) -> dict[str, Any]:
     return {"seconds": times, "median_s": median, "gbps": GiB / median / 1e9}
 
 
+def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str, Any]:
+    """The staged path without the device: the same reads (asyncslab's schedule at the
+    ring's buffer size) by ``threads`` threads, each into a pinned buffer of its own. What
+    page cache and host memory give a staged load, whatever the GPU can take."""
+    import threading
+
+    from asyncslab._read import pread_scatter, scatter
+    from asyncslab._schedule import schedule
+
+    ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
+    buffers = [torch.empty(read_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+    for b in buffers:
+        b.fill_(1)
+    fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
+    targets = [scatter([(b.data_ptr(), read_bytes)]) for b in buffers]
+    jobs = iter(ops)
+    lock = threading.Lock()
+    done = [0] * threads
+
+    def work(i: int) -> None:
+        while True:
+            with lock:
+                op = next(jobs, None)
+            if op is None:
+                return
+            one = (
+                targets[i]
+                if op.nbytes == read_bytes
+                else scatter([(buffers[i].data_ptr(), op.nbytes)])
+            )
+            done[i] += pread_scatter(fds[op.file], one, op.offset, path="bound")
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    t = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    seconds = time.perf_counter() - t
+    for fd in fds:
+        os.close(fd)
+    return {"threads": threads, "seconds": seconds, "bytes": sum(done), "reads": len(ops)}
+
+
 def sample_routes(plan: Any, k: int) -> list[Any]:
     routes = plan.routes
     step = max(1, len(routes) // max(1, k))
@@ -134,11 +192,24 @@ def device_memory(torch: Any, device: str) -> dict[str, int]:
 
 
 def load_asyncslab(
-    torch: Any, ckpt: Any, plan: Any, device: str, streams: int | None, k: int
+    torch: Any,
+    ckpt: Any,
+    plan: Any,
+    device: str,
+    streams: int | None,
+    k: int,
+    buffers: int | None = None,
 ) -> dict[str, Any]:
     import asyncslab
 
-    options = asyncslab.LoadOptions() if streams is None else asyncslab.LoadOptions(streams=streams)
+    options = asyncslab.LoadOptions()
+    if streams is not None:
+        options = dataclasses.replace(options, streams=streams)
+    if buffers is not None:  # the default buffer size, more of them
+        size = options.staging_bytes // options.staging_buffers
+        options = dataclasses.replace(
+            options, staging_buffers=buffers, staging_bytes=buffers * size
+        )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -266,6 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     report["h2d"] = h2d
     _log(f"pinned H2D: {h2d['gbps']:.2f} GB/s")
 
+    read_bytes = asyncslab.LoadOptions().staging_bytes // asyncslab.LoadOptions().staging_buffers
+    bounds = []
+    for n in [int(x) for x in args.host_threads.split(",") if x.strip()]:
+        b = host_bound(torch, plan, n, read_bytes)
+        b["gbps"] = b["bytes"] / b["seconds"] / 1e9
+        bounds.append(b)
+        _log(
+            f"host bound, {n} threads into pinned buffers: {b['seconds']:.3f} s, "
+            f"{b['gbps']:.2f} GB/s"
+        )
+    report["host_bound"] = bounds
+
     rows: list[dict[str, Any]] = []
 
     def record(name: str, rec: dict[str, Any]) -> None:
@@ -288,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
             f"asyncslab streams={streams}",
             load_asyncslab(torch, ckpt, plan, device, streams, args.verify),
         )
+    for n in [int(x) for x in args.staging.split(",") if x.strip()]:
+        record(
+            f"asyncslab {n} buffers",
+            load_asyncslab(torch, ckpt, plan, device, None, args.verify, buffers=n),
+        )
+    # The defaults once more: drift over the run, told apart from what the sweeps changed.
+    record(
+        "asyncslab default, at the end",
+        load_asyncslab(torch, ckpt, plan, device, None, args.verify),
+    )
     for i in range(args.old_runs):
         free, _ = torch.cuda.mem_get_info(device)
         if free < 2.2 * slab_bytes:
@@ -326,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{slab_bytes / GiB:.2f} GiB, {len(plan.routes)} tensors; generation "
         + ("reused" if gen["reused"] else f"{gen['seconds']:.1f} s ({gen['gbps']:.2f} GB/s)"),
         f"pinned H2D (1 GiB, median of {args.reps}): {h2d['gbps']:.2f} GB/s; page cache read "
-        f"{report['page_cache_read']['gbps']:.2f} GB/s",
+        f"{report['page_cache_read']['gbps']:.2f} GB/s; host bound (reads into pinned "
+        f"buffers, no copy): "
+        + ", ".join(f"{b['threads']} threads {b['gbps']:.2f} GB/s" for b in bounds),
         "",
         f"{'contender':<28}{'s':>8}{'GB/s':>8}{'of H2D':>8}{'peak GiB':>10}{'final GiB':>11}"
         f"{'peak/slabs':>12}{'verified':>10}",
