@@ -75,10 +75,11 @@ class Scatter:
     nbytes: int
 
 
-def scatter(regions: Iterable[tuple[int, int]]) -> Scatter:
+def scatter(regions: Iterable[tuple[int, int]], *, limit: int | None = None) -> Scatter:
     """The :class:`Scatter` filling ``regions``, ``(address, nbytes)`` pairs receiving
-    consecutive bytes of the file (a region may repeat: gaps go to one scratch buffer)."""
-    limit = SYSCALL_BYTES
+    consecutive bytes of the file (a region may repeat: gaps go to one scratch buffer), in
+    syscalls of at most ``limit`` bytes (default :data:`SYSCALL_BYTES`)."""
+    limit = SYSCALL_BYTES if limit is None else limit
     iov = array.array(_IOV_CODE)
     append = iov.append
     calls: list[tuple[int, int, int]] = []

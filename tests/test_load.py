@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -399,6 +400,57 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
     stats = slabs.statistics()
     assert stats.staging_budget == options.staging_bytes
     assert 0 < stats.staging_peak <= options.staging_bytes
+
+
+@pytest.mark.parametrize("copy_all", ["torch", "per piece"])
+async def test_staged_reads_take_one_syscall_and_one_copy_call_each(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    copy_all: str,
+) -> None:
+    """Each staged read fills its buffer in one syscall, however small SYSCALL_BYTES is,
+    and moves all its pieces in one list copy (or, without torch's, one copy per piece):
+    the bytes land exactly either way."""
+    from asyncslab import _read as read_module
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(cpu_staged=True, staging_bytes=4 * (256 << 10), staging_buffers=4)
+    monkeypatch.setattr(read_module, "SYSCALL_BYTES", 4096)  # direct reads would cut here
+    syscalls: list[int] = []
+    raw = read_module._preadv_raw
+
+    def counting(fd: int, iov: int, entries: int, offset: int) -> int:
+        syscalls.append(entries)
+        return raw(fd, iov, entries, offset)
+
+    monkeypatch.setattr(read_module, "_preadv_raw", counting)
+    lists: list[int] = []
+    if copy_all == "per piece":
+        monkeypatch.setattr(copy_module, "_copy_all", copy_module._copy_each)
+    else:
+        real = copy_module._copy_all
+
+        def one_call(dst: list[torch.Tensor], src: list[torch.Tensor], **kw: bool) -> None:
+            lists.append(len(dst))
+            real(dst, src, **kw)
+
+        monkeypatch.setattr(copy_module, "_copy_all", one_call)
+    slabs = await load(ckpt, p, options=options)
+    assert_bit_identical(slabs, ckpt)
+    reads = slabs.statistics().reads
+    assert len(syscalls) == reads  # no read was cut (nor short) on a regular file
+    assert all(entries == 1 for entries in syscalls)
+    if copy_all == "torch":
+        assert len(lists) == reads
+        assert sum(lists) == sum(len(op.pieces) for op in _schedule_ops(p, options))
+
+
+def _schedule_ops(p: asyncslab.Plan, options: LoadOptions) -> list[Any]:
+    from asyncslab._schedule import schedule
+
+    size = options.staging_bytes // options.staging_buffers
+    return list(schedule(p, max_read=size, gap=options.coalesce_gap).ops)
 
 
 async def test_staging_ring_backpressure() -> None:
