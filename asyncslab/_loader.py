@@ -495,10 +495,13 @@ class SlabSet:
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
             copier: Copier | None = None
             if staged:
-                buffers = await pool.run(
-                    StagingRing.allocate, options.staging_bytes, options.staging_buffers, pin=cuda
+                # Pinning blocks for long: on an I/O thread, one buffer at a time as reads
+                # first need them (see _staging).
+                self._ring = StagingRing.lazy(
+                    options.staging_bytes,
+                    options.staging_buffers,
+                    lambda size: pool.run(_staging_buffer, size, cuda),
                 )
-                self._ring = StagingRing(buffers)
                 self._staging_budget = options.staging_bytes
                 copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
             try:
@@ -861,6 +864,10 @@ async def _uncancellable(awaitable: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+def _staging_buffer(size: int, pin: bool) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
 
 def _release(fds: Sequence[int], ring: StagingRing | None, *keep: object) -> None:

@@ -456,7 +456,7 @@ def _schedule_ops(p: asyncslab.Plan, options: LoadOptions) -> list[Any]:
 async def test_staging_ring_backpressure() -> None:
     from asyncslab._staging import StagingRing
 
-    ring = StagingRing(StagingRing.allocate(2 * 1024, 2, pin=False))
+    ring = StagingRing([torch.empty(1024, dtype=torch.uint8) for _ in range(2)])
     a = await ring.acquire()
     b = await ring.acquire()
     third = asyncio.ensure_future(ring.acquire())
@@ -468,6 +468,47 @@ async def test_staging_ring_backpressure() -> None:
     ring.release(a)
     assert ring.statistics().peak_in_use == 2 * 1024
     assert ring.statistics().in_use == 0
+
+
+async def test_lazy_ring_makes_buffers_as_reads_first_need_them() -> None:
+    from asyncslab._staging import StagingRing
+
+    made: list[int] = []
+    gate = asyncio.Event()
+    fail = [True]
+
+    async def make(size: int) -> torch.Tensor:
+        await gate.wait()
+        if fail.pop() if fail else False:
+            raise OSError("cannot pin")
+        made.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    ring = StagingRing.lazy(3 * 1024, 3, make)
+    assert ring.statistics().buffers == 0  # nothing pinned before a read asks
+    with pytest.raises(ValueError, match="cannot hold"):
+        StagingRing.lazy(2, 3, make)
+    gate.set()
+    with pytest.raises(OSError, match="cannot pin"):  # a failed make gives its slot back
+        await ring.acquire()
+    acquirers = [asyncio.ensure_future(ring.acquire()) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    done = [a for a in acquirers if a.done()]
+    assert len(done) == 3  # three made concurrently, never more than the ring holds
+    assert made == [1024, 1024, 1024]
+    waiting = [a for a in acquirers if not a.done()]
+    ring.release(done[0].result())
+    await asyncio.sleep(0.01)
+    (fourth,) = [a for a in waiting if a.done()]
+    ring.release(fourth.result())
+    await asyncio.sleep(0.01)
+    (fifth,) = [a for a in waiting if a is not fourth]
+    assert fifth.done()
+    assert len(made) == 3  # the fourth and fifth reused released buffers
+    for buffer in (done[1].result(), done[2].result(), fifth.result()):
+        ring.release(buffer)
+    stats = ring.statistics()
+    assert (stats.buffers, stats.in_use, stats.peak_in_use) == (3, 0, 3 * 1024)
 
 
 async def test_slab_mapping_membership_does_not_need_completeness(
