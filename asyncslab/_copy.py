@@ -56,9 +56,10 @@ def read_direct(fd: int, op: ReadOp, target: Scatter, path: str) -> int:
 
 # A staged read fills its buffer in one syscall where the kernel allows. Every syscall ends
 # by retaking the GIL, and staging threads feeding a GPU queued for it behind the threads
-# issuing copies (H200, 20 GiB, 8 buffers of 32 MiB: 1 MiB syscalls 1.54-1.59 s a load,
-# one per buffer 1.22-1.28 s). Direct reads keep SYSCALL_BYTES for the event loop's sake on
-# small machines (see _read); a staged read is bounded by its buffer anyway.
+# issuing copies (H200, 20 GiB, 8 buffers of 32 MiB pinned beforehand: 1 MiB syscalls
+# 1.54-1.59 s a load, one per buffer 1.22-1.28 s). Direct reads keep SYSCALL_BYTES for
+# the event loop's sake on small machines (see _read); a staged read is bounded by its
+# buffer anyway.
 STAGED_SYSCALL_BYTES = 1 << 30
 
 
@@ -152,5 +153,5 @@ def _copy_each(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking
         d.copy_(s, non_blocking=non_blocking)
 
 
-# torch's list copy (C++ loop, a CUDA fast path); private, hence the fallback.
+# torch's list copy: one call, the loop over pieces in C++; private, hence the fallback.
 _copy_all: Callable[..., None] = getattr(torch, "_foreach_copy_", _copy_each)
