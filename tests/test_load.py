@@ -511,6 +511,40 @@ async def test_lazy_ring_makes_buffers_as_reads_first_need_them() -> None:
     assert (stats.buffers, stats.in_use, stats.peak_in_use) == (3, 0, 3 * 1024)
 
 
+async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinning happens during the load now (a buffer when a read first needs it): if it
+    fails, the load fails with that error, leaves no fd or thread behind, and the next
+    load into the same SlabSet works."""
+    from asyncslab import _loader
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(cpu_staged=True, staging_bytes=4 * (64 << 10), staging_buffers=4)
+    real = _loader._staging_buffer
+    made = [0]
+
+    def second_fails(size: int, pin: bool) -> torch.Tensor:
+        made[0] += 1
+        if made[0] == 2:
+            raise RuntimeError("cannot pin 64 KiB")
+        return real(size, pin)
+
+    fds_before = open_fds()
+    async with SlabSet(p) as slabs:
+        monkeypatch.setattr(_loader, "_staging_buffer", second_fails)
+        with pytest.raises(asyncslab.LoadError, match="cannot pin 64 KiB"):
+            await slabs.load(ckpt, options=options)
+        assert slabs.state == "failed"
+        assert open_fds() == fds_before
+        assert not io_threads()
+        monkeypatch.setattr(_loader, "_staging_buffer", real)
+        slabs.reset()
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)
+
+
 async def test_slab_mapping_membership_does_not_need_completeness(
     moe_checkpoint: asyncslab.SyntheticCheckpoint,
 ) -> None:
