@@ -23,9 +23,11 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 RESULT_MARK = "@@asyncslab-bench-result@@ "
 IDLE_LAG_S = 0.3  # ticker control before the load: the machine's own scheduling lag
@@ -380,6 +382,38 @@ def lag_summary(lags: Sequence[float]) -> dict[str, float]:
     }
 
 
+def run_in_threads(jobs: Sequence[T], threads: int, work: Callable[[int, T], object]) -> float:
+    """Seconds for ``threads`` threads to run ``work(thread, job)`` over ``jobs``, each job
+    taken once, in order; the first error in any thread is raised once all have stopped."""
+    cursor = iter(jobs)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def drive(thread: int) -> None:
+        try:
+            while not errors:
+                with lock:
+                    try:
+                        job = next(cursor)
+                    except StopIteration:
+                        return
+                work(thread, job)
+        except BaseException as err:  # noqa: BLE001 - raised by the caller
+            errors.append(err)
+
+    pool = [threading.Thread(target=drive, args=(i,)) for i in range(threads)]
+    t0 = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    seconds = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return seconds
+
+
+
 def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int) -> dict[str, Any]:
     """The bytes asyncslab reads, coalesced by its own scheduler, read with the same
     ``preadv`` calls into one preallocated buffer (slab by slab at asyncslab's offsets) by
@@ -404,35 +438,11 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     # Destinations are worked out before the clock starts: the bound pays for syscalls only.
     scatters = direct_scatters(sched.ops, buffer.data_ptr(), route_base, scratch.data_ptr())
     jobs = [(fds[op.file], op.offset, sc) for op, sc in zip(sched.ops, scatters, strict=True)]
-    cursor: Iterator[tuple[int, int, Any]] = iter(())
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            while True:
-                with lock:
-                    job = next(cursor, None)
-                if job is None:
-                    return
-                fd, off, target = job
-                pread_scatter(fd, target, off, path="bound")
-        except BaseException as err:  # noqa: BLE001 - reported by the caller
-            errors.append(err)
 
     def one_pass() -> float:
-        nonlocal cursor
-        cursor = iter(jobs)
-        pool = [threading.Thread(target=work) for _ in range(threads)]
-        t0 = time.perf_counter()
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        seconds = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
-        return seconds
+        return run_in_threads(
+            jobs, threads, lambda _, job: pread_scatter(job[0], job[2], job[1], path="bound")
+        )
 
     timed = Timed()
     try:

@@ -117,12 +117,12 @@ def h2d_bandwidth(torch: Any, device: str, reps: int) -> dict[str, Any]:
 
 
 def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str, Any]:
-    """The staged path without the device: the same reads (asyncslab's schedule at the
-    ring's buffer size) by ``threads`` threads, each into a pinned buffer of its own. What
-    page cache and host memory give a staged load, whatever the GPU can take."""
-    import threading
-
-    from asyncslab._read import pread_scatter, scatter
+    """The staged path without the device: asyncslab's staged reads (its schedule at the
+    ring's buffer size, read by its own ``read_staged``) by ``threads`` threads, each into a
+    pinned buffer of its own. What page cache and host memory give a staged load, whatever
+    the GPU can take."""
+    from asyncslab._bench_worker import run_in_threads
+    from asyncslab._copy import read_staged
     from asyncslab._schedule import schedule
 
     ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
@@ -130,34 +130,15 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
     for b in buffers:
         b.fill_(1)
     fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
-    targets = [scatter([(b.data_ptr(), read_bytes)]) for b in buffers]
-    jobs = iter(ops)
-    lock = threading.Lock()
-    done = [0] * threads
-
-    def work(i: int) -> None:
-        while True:
-            with lock:
-                op = next(jobs, None)
-            if op is None:
-                return
-            one = (
-                targets[i]
-                if op.nbytes == read_bytes
-                else scatter([(buffers[i].data_ptr(), op.nbytes)])
-            )
-            done[i] += pread_scatter(fds[op.file], one, op.offset, path="bound")
-
-    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    t = time.perf_counter()
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    seconds = time.perf_counter() - t
-    for fd in fds:
-        os.close(fd)
-    return {"threads": threads, "seconds": seconds, "bytes": sum(done), "reads": len(ops)}
+    try:
+        seconds = run_in_threads(
+            ops, threads, lambda i, op: read_staged(fds[op.file], op, buffers[i], "bound")
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    nbytes = sum(op.nbytes for op in ops)
+    return {"threads": threads, "seconds": seconds, "bytes": nbytes, "reads": len(ops)}
 
 
 def sample_routes(plan: Any, k: int) -> list[Any]:

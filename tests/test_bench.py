@@ -291,3 +291,19 @@ def test_plot_refuses_a_report_with_nothing_measured(tmp_path: Path) -> None:
     empty.write_text(json.dumps({"summary": {"cold": {"asyncslab": {"runs": 0, "status": "-"}}}}))
     assert plot.main([str(empty), "-o", str(tmp_path / "x.png")]) == 1
     assert not (tmp_path / "x.png").exists()
+
+
+def test_run_in_threads_takes_each_job_once_and_raises_the_first_error() -> None:
+    from asyncslab._bench_worker import run_in_threads
+
+    seen: list[tuple[int, int]] = []
+    assert run_in_threads(range(100), 4, lambda t, job: seen.append((t, job))) >= 0
+    assert sorted(job for _, job in seen) == list(range(100))
+    assert {t for t, _ in seen} <= {0, 1, 2, 3}
+
+    def fail_at_7(thread: int, job: int) -> None:
+        if job == 7:
+            raise OSError("read failed")
+
+    with pytest.raises(OSError, match="read failed"):
+        run_in_threads(range(100), 3, fail_at_7)
