@@ -497,7 +497,7 @@ class SlabSet:
             if staged:
                 # Pinning blocks for long: on an I/O thread, one buffer at a time as reads
                 # first need them (see _staging).
-                self._ring = StagingRing.lazy(
+                self._ring = StagingRing(
                     options.staging_bytes,
                     options.staging_buffers,
                     lambda size: pool.run(_staging_buffer, size, cuda),

@@ -67,7 +67,7 @@ _IOV_BYTES = 2 * _WORD
 class Scatter:
     """One read's destinations, in file order: ``iov`` holds ``(address, length)`` pairs
     (native iovec layout), ``calls`` cuts them into syscalls ``(first entry, entries,
-    bytes)`` of at most :data:`SYSCALL_BYTES` and the kernel's iovec limit each, in order.
+    bytes)`` of at most :func:`scatter`'s limit and the kernel's iovec limit each, in order.
     The caller keeps the memory the addresses point into alive while a read runs."""
 
     iov: array.array[int]

@@ -6,10 +6,9 @@ after the copies out of it have completed (the copier waits on the event recorde
 stream before returning it). Acquiring one buffer at a time and never holding one while
 waiting for another means loads sharing a ring cannot deadlock.
 
-A load's ring is made lazily (:meth:`StagingRing.lazy`): a buffer is pinned when a read
-first finds none free, so the first read starts after one buffer is pinned, not all of
-them (pinning ran at ~1 GB/s on an H200 host: 0.25 s for the default 256 MiB, before any
-read, in a load that took ~1 s).
+The ring is made lazily: a buffer is pinned when a read first finds none free, so the first
+read starts after one buffer is pinned, not all of them (pinning ran at ~1 GB/s on an H200
+host: 0.25 s for the default 256 MiB, before any read, in a load that took ~1 s).
 """
 
 from __future__ import annotations
@@ -33,46 +32,28 @@ class StagingStatistics:
 
 class StagingRing:
     def __init__(
-        self,
-        buffers: list[torch.Tensor],
-        *,
-        make: Callable[[], Awaitable[torch.Tensor]] | None = None,
-        count: int = 0,
-        buffer_bytes: int = 0,
+        self, budget: int, buffers: int, make: Callable[[int], Awaitable[torch.Tensor]]
     ) -> None:
-        """A ring of ``buffers``; with ``make``, of up to ``count`` buffers of
-        ``buffer_bytes``, the missing ones made as reads first need them."""
-        if not buffers and make is None:
-            raise ValueError("a staging ring needs at least one buffer")
-        self.buffer_bytes = buffers[0].numel() if buffers else buffer_bytes
-        self._buffers = buffers
-        self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
-        for buffer in self._buffers:
-            self._free.put_nowait(buffer)
-        self._in_use = 0
-        self._peak = 0
-        self._count = max(count, len(buffers))  # buffers it may hold
-        self._claimed = len(buffers)  # buffers it has or is making
-        self._make = make
-
-    @classmethod
-    def lazy(
-        cls, budget: int, buffers: int, make: Callable[[int], Awaitable[torch.Tensor]]
-    ) -> StagingRing:
         """A ring of ``buffers`` buffers of ``budget // buffers`` bytes, each made by
         ``make(size)`` (say, pinned on a worker thread) when a read first needs it."""
         if buffers <= 0 or budget < buffers:
             raise ValueError(f"staging budget {budget} cannot hold {buffers} buffers")
-        size = budget // buffers
-        return cls([], make=lambda: make(size), count=buffers, buffer_bytes=size)
+        self.buffer_bytes = budget // buffers
+        self._buffers: list[torch.Tensor] = []
+        self._free: asyncio.Queue[torch.Tensor] = asyncio.Queue()
+        self._in_use = 0
+        self._peak = 0
+        self._count = buffers  # buffers it may hold
+        self._claimed = 0  # buffers it has or is making
+        self._make = make
 
     async def acquire(self) -> torch.Tensor:
-        if self._free.empty() and self._make is not None and self._claimed < self._count:
+        if self._free.empty() and self._claimed < self._count:
             # Claim the slot before awaiting, so that concurrent acquirers make no more
             # than the ring holds; a failed (or cancelled) make gives it back.
             self._claimed += 1
             try:
-                buffer = await self._make()
+                buffer = await self._make(self.buffer_bytes)
             except BaseException:
                 self._claimed -= 1
                 raise
@@ -88,7 +69,7 @@ class StagingRing:
         self._free.put_nowait(buffer)
 
     def statistics(self) -> StagingStatistics:
-        """``buffers``: those made so far (all of them for a ring made from a list)."""
+        """``buffers``: those made so far."""
         return StagingStatistics(
             len(self._buffers),
             self.buffer_bytes,

@@ -456,7 +456,10 @@ def _schedule_ops(p: asyncslab.Plan, options: LoadOptions) -> list[Any]:
 async def test_staging_ring_backpressure() -> None:
     from asyncslab._staging import StagingRing
 
-    ring = StagingRing([torch.empty(1024, dtype=torch.uint8) for _ in range(2)])
+    async def make(size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8)
+
+    ring = StagingRing(2 * 1024, 2, make)
     a = await ring.acquire()
     b = await ring.acquire()
     third = asyncio.ensure_future(ring.acquire())
@@ -484,10 +487,10 @@ async def test_lazy_ring_makes_buffers_as_reads_first_need_them() -> None:
         made.append(size)
         return torch.empty(size, dtype=torch.uint8)
 
-    ring = StagingRing.lazy(3 * 1024, 3, make)
+    ring = StagingRing(3 * 1024, 3, make)
     assert ring.statistics().buffers == 0  # nothing pinned before a read asks
     with pytest.raises(ValueError, match="cannot hold"):
-        StagingRing.lazy(2, 3, make)
+        StagingRing(2, 3, make)
     gate.set()
     with pytest.raises(OSError, match="cannot pin"):  # a failed make gives its slot back
         await ring.acquire()
