@@ -84,7 +84,7 @@ class Copier(Protocol):
 
 class CpuCopier:
     """Staged copies into host slabs: the CPU twin of :class:`CudaCopier`, for targets that
-    must not be read into directly, and to exercise the staging ring without a GPU."""
+    must not be read into directly, and to exercise the staged path without a GPU."""
 
     def copy(
         self,

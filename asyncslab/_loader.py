@@ -35,7 +35,7 @@ from ._format import Checkpoint
 from ._plan import Plan
 from ._read import IoPool, ReadFeed, Scatter
 from ._schedule import ReadOp, Schedule, schedule
-from ._staging import StagingRing
+from ._staging import StagingBuffers
 from ._tracker import Tracker
 
 __all__ = ["LoadOptions", "LoadStatistics", "SlabSet", "load"]
@@ -54,7 +54,8 @@ class LoadOptions:
     ``io_workers``: positional reads in flight (CPU target), one I/O thread each.
     ``read_size``: target size of one coalesced read. ``coalesce_gap``: largest gap
     between two tensors read through rather than split into two reads. ``staging_bytes`` /
-    ``staging_buffers``: the pinned ring of a CUDA target (one read in flight per buffer).
+    ``staging_buffers``: the pinned buffers of a CUDA target, one per I/O thread (one read
+    in flight each, of up to ``staging_bytes // staging_buffers`` bytes).
     ``streams``: CUDA copy streams.
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``io_nice``: added to the nice value of the I/O threads (Linux, where it is per thread;
@@ -64,8 +65,8 @@ class LoadOptions:
     the same load time. Not 19: an I/O thread holds the GIL briefly between two reads, and
     the loop waiting for it should not wait behind everything else on the machine. 0 leaves
     the threads as they are.
-    ``cpu_staged``: on a CPU target, read through the staging ring and copy, instead of
-    reading straight into the slabs (slower; for comparison and for testing the ring).
+    ``cpu_staged``: on a CPU target, read through the staging buffers and copy, instead of
+    reading straight into the slabs (slower; for comparison and for testing that path).
     ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
     to leave storage bandwidth to a neighbour — or to watch a small load in slow motion.
     """
@@ -265,7 +266,7 @@ class SlabSet:
 
     def statistics(self) -> LoadStatistics:
         self._settle()
-        staging = self._ring.statistics() if self._ring is not None else None
+        staging = self._staging.statistics() if self._staging is not None else None
         return LoadStatistics(
             state=self._state,
             device=str(self.device),
@@ -403,7 +404,7 @@ class SlabSet:
         self._reads = 0
         self._started = 0.0
         self._ended: float | None = None
-        self._ring: StagingRing | None = None
+        self._staging: StagingBuffers | None = None
         self._staging_budget = 0
         self._staging_peak = 0
 
@@ -493,17 +494,20 @@ class SlabSet:
             sched = reads.schedule
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
-            copier: Copier | None = None
-            if staged:
-                # Pinning blocks for long: on an I/O thread, one buffer at a time as reads
-                # first need them (see _staging).
-                self._ring = StagingRing(
+            if not staged:
+                read_one = self._direct_reads(reads, fds)
+            else:
+                # Pinning blocks for long: each I/O thread pins its own buffer when it first
+                # reads (see _staging).
+                staging = StagingBuffers(
                     options.staging_bytes,
                     options.staging_buffers,
-                    lambda size: pool.run(_staging_buffer, size, cuda),
+                    lambda size: _staging_buffer(size, cuda),
                 )
+                self._staging = staging
                 self._staging_budget = options.staging_bytes
                 copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
+                read_one = self._staged_reads(reads, fds, staging, copier)
             try:
                 async with asyncio.TaskGroup() as tg:
 
@@ -516,21 +520,9 @@ class SlabSet:
                         self._tracker.land(route, 0)
                     ticker = _Ticker(progress, options.progress_interval, self.statistics)
                     workers = min(workers, max(1, len(sched.ops)))
-                    if copier is None:
-                        tg.create_task(
-                            self._read_direct(reads, fds, pool, options, workers, ticker)
-                        )
-                    else:
-                        feed = ReadFeed(
-                            [op.nbytes for op in sched.ops],
-                            workers,
-                            max_bytes_per_s=options.max_bytes_per_s,
-                            started=self._started,
-                        )
-                        for w in range(workers):
-                            tg.create_task(
-                                self._worker(feed, reads, fds, pool, copier, options, w, ticker)
-                            )
+                    tg.create_task(
+                        self._read_all(sched.ops, read_one, pool, options, workers, ticker)
+                    )
             except BaseExceptionGroup as group:
                 error = _first_error(group)
                 # Re-raise the root error alone, keeping its own cause (the OSError).
@@ -569,18 +561,18 @@ class SlabSet:
     ) -> None:
         drained = await pool.drain(options.read_timeout)
         await pool.close(wait=drained)
-        ring, self._ring = self._ring, None
-        if ring is not None:
-            self._staging_peak = ring.statistics().peak_in_use
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            self._staging_peak = staging.statistics().peak_in_use
         if drained:
-            _release(list(fds.values()), ring)
+            _release(list(fds.values()), staging)
         else:
             # A read stuck in a thread still reads its fd and writes into these slabs (or a
             # staging buffer) when it wakes: closing the fd now would let an unrelated open
             # reuse its number, and aclose() would free the memory under it. Keep both until
             # the last such read returns.
             keep = [self._backing, self._read_plans]
-            pool.when_idle(lambda: _release(list(fds.values()), ring, keep))
+            pool.when_idle(lambda: _release(list(fds.values()), staging, keep))
             self._broken = (
                 "a read thread did not return within read_timeout and may still write "
                 "into them; allocate a new SlabSet"
@@ -609,20 +601,49 @@ class SlabSet:
         )
         return _Reads(sched, scatters, scratch)
 
-    async def _read_direct(
+    def _direct_reads(self, reads: _Reads, fds: Mapping[int, int]) -> _ReadOne:
+        """Reads straight into host slabs, each scattered by one ready-made iovec array."""
+        ops, scatters = reads.schedule.ops, reads.scatters
+        assert scatters is not None
+        paths = [str(f.path) for f in self._run_plan.files]
+
+        def read_one(worker: int, index: int) -> int:
+            op = ops[index]
+            return read_direct(fds[op.file], op, scatters[index], paths[op.file])
+
+        return read_one
+
+    def _staged_reads(
+        self, reads: _Reads, fds: Mapping[int, int], staging: StagingBuffers, copier: Copier
+    ) -> _ReadOne:
+        """Reads into the thread's own staging buffer, then copies into the slabs; returns
+        once the copies completed, so the thread's next read may overwrite the buffer."""
+        ops = reads.schedule.ops
+        paths = [str(f.path) for f in self._run_plan.files]
+        backing, route_base = self._backing, self._route_base
+
+        def read_one(worker: int, index: int) -> int:
+            op = ops[index]
+            with staging.use(worker) as buffer:
+                n = read_staged(fds[op.file], op, buffer, paths[op.file])
+                copier.copy(op, buffer, backing, route_base, worker)
+            return n
+
+        return read_one
+
+    async def _read_all(
         self,
-        reads: _Reads,
-        fds: Mapping[int, int],
+        ops: Sequence[ReadOp],
+        read_one: _ReadOne,
         pool: IoPool,
         options: LoadOptions,
         workers: int,
         ticker: _Ticker,
     ) -> None:
-        """Reads straight into host slabs: each I/O thread takes the next read itself and
-        reports it here without waiting (see ReadFeed); this task lands what arrives and
-        watches for reads taking longer than ``read_timeout``."""
-        ops, scatters = reads.schedule.ops, reads.scatters
-        assert scatters is not None
+        """Every read of ``ops``, by ``workers`` I/O threads that each take the next read
+        themselves (``read_one(thread, index)``) and report it here without waiting (see
+        ReadFeed); this task lands what arrives and watches for reads taking longer than
+        ``read_timeout``."""
         paths = [str(f.path) for f in self._run_plan.files]
         feed = ReadFeed(
             [op.nbytes for op in ops],
@@ -657,8 +678,7 @@ class SlabSet:
         def drive(worker: int) -> None:  # on an I/O thread
             try:
                 while (index := feed.take(worker)) is not None:
-                    op = ops[index]
-                    n = read_direct(fds[op.file], op, scatters[index], paths[op.file])
+                    n = read_one(worker, index)
                     feed.finished(worker)
                     # Queued before this thread's own completion: every read a thread
                     # finished has landed by the time its drive() is seen to return.
@@ -682,59 +702,8 @@ class SlabSet:
         if broken:
             raise broken[0]
 
-    async def _worker(
-        self,
-        feed: ReadFeed,
-        reads: _Reads,
-        fds: Mapping[int, int],
-        pool: IoPool,
-        copier: Copier,
-        options: LoadOptions,
-        worker: int,
-        ticker: _Ticker,
-    ) -> None:
-        # Staged reads. Workers share one feed: each claims the next read when it is free,
-        # so at most `workers` reads are in flight and there is never a task per read.
-        plan = self._run_plan
-        ops = reads.schedule.ops
-        assert self._ring is not None
-        ring = self._ring
-        while (claimed := feed.claim()) is not None:
-            index, due = claimed
-            op = ops[index]
-            path = str(plan.files[op.file].path)
-            fd = fds[op.file]
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            try:
-                async with asyncio.timeout(options.read_timeout):
-                    buffer = await ring.acquire()
-                    n = await pool.run(
-                        _read_and_copy, copier, fd, op, buffer, self._backing,
-                        self._route_base, worker, path,
-                    )
-                    # Only after the copy completed: a cancelled copy keeps its buffer
-                    # until the drain, and the ring is discarded with the load.
-                    ring.release(buffer)
-            except TimeoutError:
-                raise ReadTimeoutError(
-                    f"read of {op.nbytes} bytes at offset {op.offset} took longer than "
-                    f"read_timeout={options.read_timeout}s",
-                    file=path,
-                    offset=op.offset,
-                ) from None
-            self._reads += 1
-            self._bytes_read += n
-            land = self._tracker.land
-            landed = 0
-            for route, _, _, nbytes in op.pieces:
-                land(route, nbytes)
-                landed += nbytes
-            self._bytes_landed += landed
-            ticker.tick()
 
-
+_ReadOne = Callable[[int, int], int]
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
@@ -790,21 +759,6 @@ def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, 
         if nbytes == 0:
             empty.append(name)
     return offsets, total, empty
-
-
-def _read_and_copy(
-    copier: Copier,
-    fd: int,
-    op: ReadOp,
-    buffer: torch.Tensor,
-    backing: torch.Tensor,
-    route_base: Sequence[int],
-    stream: int,
-    path: str,
-) -> int:
-    n = read_staged(fd, op, buffer, path)
-    copier.copy(op, buffer, backing, route_base, stream)
-    return n
 
 
 class _Ticker:
@@ -870,12 +824,12 @@ def _staging_buffer(size: int, pin: bool) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
 
-def _release(fds: Sequence[int], ring: StagingRing | None, *keep: object) -> None:
-    """Close a load's fds and drop its staging ring (``keep``: kept alive until now)."""
+def _release(fds: Sequence[int], staging: StagingBuffers | None, *keep: object) -> None:
+    """Close a load's fds and drop its staging buffers (``keep``: kept alive until now)."""
     for fd in fds:
         os.close(fd)
-    if ring is not None:
-        ring.close()
+    if staging is not None:
+        staging.close()
 
 
 def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) -> int:

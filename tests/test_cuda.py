@@ -81,7 +81,7 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert slabs.statistics().state == "cancelled"
-    assert slabs._ring is None  # the ring (and its pinned buffers) went with the load
+    assert slabs._staging is None  # the pinned staging buffers went with the load
     monkeypatch.undo()
     await slabs.load(ckpt)
     assert_bit_identical(slabs, ckpt)

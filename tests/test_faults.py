@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
 # land in the middle of it.
 SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
+# The same through the staging buffers and copies a GPU target uses (on the CPU here): the
+# same reads, by as many threads.
+SMALL_STAGED = LoadOptions(
+    cpu_staged=True,
+    staging_bytes=3 * (4 << 10),
+    staging_buffers=3,
+    coalesce_gap=128,
+    read_timeout=10.0,
+)
+PATHS = {"direct": SMALL, "staged": SMALL_STAGED}
 
 
 # --- fixtures and helpers ----------------------------------------------------------------
@@ -394,18 +405,26 @@ def test_property_partial_reads_through_os_preadv(
 def _count_reads(ckpt: Checkpoint, p: asyncslab.Plan, options: LoadOptions) -> int:
     from asyncslab._schedule import schedule
 
-    return len(schedule(p, max_read=options.read_size, gap=options.coalesce_gap).ops)
+    size = (
+        options.staging_bytes // options.staging_buffers if options.cpu_staged else options.read_size
+    )
+    return len(schedule(p, max_read=size, gap=options.coalesce_gap).ops)
 
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", range(6))
 async def test_eio_on_a_random_read(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], seed: int
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    fake_os: Callable[..., FakeOs],
+    seed: int,
+    path: str,
 ) -> None:
+    options = PATHS[path]
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
-    n_reads = _count_reads(ckpt, p, SMALL)
+    n_reads = _count_reads(ckpt, p, options)
     assert n_reads > 40
     fail_at = random.Random(seed).randrange(1, n_reads + 1)
     count = 0
@@ -424,7 +443,7 @@ async def test_eio_on_a_random_read(
     fds = open_fds()
     slabs = SlabSet(p)
     with pytest.raises(ReadError, match="Input/output error") as info:
-        await slabs.load(ckpt, options=SMALL)
+        await slabs.load(ckpt, options=options)
     err = info.value
     assert isinstance(err.__cause__, OSError)
     assert err.__cause__.errno == errno.EIO
@@ -448,7 +467,7 @@ async def test_eio_on_a_random_read(
     assert open_fds() == fds
     assert await wait_io_threads_gone() == []
     fake.hook = os.preadv
-    await slabs.load(ckpt, options=SMALL)
+    await slabs.load(ckpt, options=options)
     assert_bit_exact(slabs, ckpt)
     await slabs.aclose()
 
@@ -577,7 +596,7 @@ async def test_aclose_while_awaited_load_runs(
 
 
 async def _cancel_somewhere(
-    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str
+    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str, options: LoadOptions
 ) -> None:
     """One load, cancelled at a random point (it may finish first)."""
 
@@ -591,7 +610,7 @@ async def _cancel_somewhere(
     iterations = rng.randrange(4) if rng.random() < 0.2 else rng.randrange(3000)
     delay = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.02)
     if mode == "task.cancel":
-        task = slabs.start(ckpt, options=SMALL)
+        task = slabs.start(ckpt, options=options)
         await spin(iterations)
         task.cancel()
         try:
@@ -599,7 +618,7 @@ async def _cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
-        task = slabs.start(ckpt, options=SMALL)
+        task = slabs.start(ckpt, options=options)
         k = rng.randrange(1, len(slabs.plan.routes))
         while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
             await asyncio.sleep(0)
@@ -609,7 +628,7 @@ async def _cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "delay":
-        task = slabs.start(ckpt, options=SMALL)
+        task = slabs.start(ckpt, options=options)
         await asyncio.sleep(delay)
         task.cancel()
         try:
@@ -617,7 +636,7 @@ async def _cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "double-cancel":  # a second cancel lands while the load drains
-        task = slabs.start(ckpt, options=SMALL)
+        task = slabs.start(ckpt, options=options)
         await spin(iterations)
         task.cancel()
         await spin(rng.randrange(3))
@@ -627,7 +646,7 @@ async def _cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "outer-task":  # the task awaiting slabs.load() is cancelled
-        outer = asyncio.ensure_future(slabs.load(ckpt, options=SMALL))
+        outer = asyncio.ensure_future(slabs.load(ckpt, options=options))
         await spin(iterations)
         outer.cancel()
         try:
@@ -637,11 +656,11 @@ async def _cancel_somewhere(
     elif mode == "timeout":
         try:
             async with asyncio.timeout(delay):
-                await slabs.load(ckpt, options=SMALL)
+                await slabs.load(ckpt, options=options)
         except TimeoutError:
             pass
     elif mode == "aclose":
-        slabs.start(ckpt, options=SMALL)
+        slabs.start(ckpt, options=options)
         await spin(iterations)
         await slabs.aclose()
     else:  # pragma: no cover
@@ -655,9 +674,11 @@ CANCEL_MODES = [
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", PATHS)
 async def test_cancel_at_random_points_leaks_nothing(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], path: str
 ) -> None:
+    options = PATHS[path]
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
     expected_bytes(ckpt)
@@ -673,7 +694,7 @@ async def test_cancel_at_random_points_leaks_nothing(
     outcomes: dict[str, int] = {}
     for cycle in range(CANCEL_CYCLES):
         mode = CANCEL_MODES[cycle % len(CANCEL_MODES)]
-        await _cancel_somewhere(slabs, ckpt, rng, mode)
+        await _cancel_somewhere(slabs, ckpt, rng, mode, options)
         where = f"cycle {cycle} ({mode})"
         landed = slabs.statistics().tensors_landed if mode != "aclose" else -1
         if 0 < landed < len(p.routes):
@@ -692,7 +713,7 @@ async def test_cancel_at_random_points_leaks_nothing(
             outcomes[state] = outcomes.get(state, 0) + 1
             assert_units_all_or_nothing(slabs, ckpt)
         # The next load succeeds, bit-exact.
-        await slabs.load(ckpt, options=SMALL)
+        await slabs.load(ckpt, options=options)
         assert_bit_exact(slabs, ckpt)
         assert open_fds() == fds, where
     await slabs.aclose()
@@ -764,8 +785,12 @@ async def test_second_load_into_the_same_slabset_is_refused(
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", PATHS)
 async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    fake_os: Callable[..., FakeOs],
+    monkeypatch: pytest.MonkeyPatch,
+    path: str,
 ) -> None:
     # After read_timeout the load gives up on a read stuck in a thread. That thread will
     # still write into the slab and read its fd when it wakes: neither may be released under
@@ -789,8 +814,22 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     fds = open_fds()
     slabs = SlabSet(p)
     slab_refs = [weakref.ref(slabs._backing)]  # the one allocation behind every slab
+    # A staged read writes into its staging buffer: that may not be freed under it either.
+    real_buffer = _loader._staging_buffer
+
+    def tracked(size: int, pin: bool) -> torch.Tensor:
+        buffer = real_buffer(size, pin)
+        slab_refs.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(_loader, "_staging_buffer", tracked)
+    options = LoadOptions(read_timeout=0.05, io_workers=2)
+    if path == "staged":
+        options = replace(options, cpu_staged=True, staging_buffers=2, staging_bytes=2 << 16)
     with pytest.raises(asyncslab.ReadTimeoutError):
-        await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05, io_workers=2))
+        await slabs.load(ckpt, options=options)
+    if path == "staged":
+        assert len(slab_refs) > 1  # the stuck reads' buffers are among the tracked
     await slabs.aclose()
     del slabs
     gc.collect()

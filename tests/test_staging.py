@@ -1,0 +1,68 @@
+"""Stage 4: the staging buffers of a staged (GPU) load, one per I/O thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from asyncslab._staging import StagingBuffers, StagingStatistics
+
+
+def test_staging_buffers_one_per_thread_made_when_first_used() -> None:
+    made: list[int] = []
+    fail = [True]
+
+    def make(size: int) -> torch.Tensor:
+        if fail and fail.pop():
+            raise RuntimeError("cannot pin")
+        made.append(size)
+        return torch.empty(size, dtype=torch.uint8)
+
+    with pytest.raises(ValueError, match="cannot hold"):
+        StagingBuffers(2, 3, make)
+    ring = StagingBuffers(3 * 1024 + 2, 3, make)  # the rest of the budget goes unused
+    assert ring.statistics().buffers == 0  # nothing pinned before a read asks
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        ring.use(1).__enter__()
+    assert ring.statistics() == StagingStatistics(0, 1024, 0, 0)  # the slot stayed empty
+    with ring.use(1) as first:
+        assert ring.statistics().in_use == 1024
+    with ring.use(1) as again:
+        assert again is first  # a thread reuses its own buffer
+    with pytest.raises(KeyError):  # noqa: PT012 - the error must cross the use block
+        with ring.use(0) as other:
+            seen = other
+            raise KeyError("a read that fails inside the block")
+    assert seen is not first
+    assert seen.numel() == 1024
+    assert made == [1024, 1024]
+    stats = ring.statistics()
+    assert (stats.buffers, stats.in_use, stats.peak_in_use) == (2, 0, 1024)
+    ring.close()
+    assert ring.statistics().buffers == 0
+
+
+def test_staging_buffers_count_concurrent_use() -> None:
+    ring = StagingBuffers(4 * 256, 4, lambda size: torch.empty(size, dtype=torch.uint8))
+    inside = threading.Barrier(5)
+    leave = threading.Event()
+    seen: list[int] = []
+
+    def work(worker: int) -> None:
+        with ring.use(worker) as buffer:
+            seen.append(buffer.data_ptr())
+            inside.wait(5)
+            leave.wait(5)
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    inside.wait(5)  # all four are inside their blocks
+    assert ring.statistics().in_use == 4 * 256
+    leave.set()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 4
+    assert ring.statistics() == StagingStatistics(4, 256, 0, 4 * 256)
