@@ -13,6 +13,10 @@ What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 2
    ``.to('cuda', non_blocking=True)``, CUDA events, median of ``--reps``);
 3. read the same bytes with plain threads into pinned buffers, no device copy (the host
    bound: what page cache and host memory give a staged load), with ``--host-threads``;
+   then the pipeline bound, ``--pipeline``: plain threads doing per read what a staged load
+   does (read into a pinned buffer of their own, copy it to the device, wait for the copy)
+   with no event loop or bookkeeping, one buffer per thread as asyncslab has, and two, so
+   that a thread reads into one while the other's copy is in flight;
 4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then once per
    ``--streams`` value and per ``--staging`` ring size, then once more with the defaults
    (drift over the run); the old path (every per-expert tensor moved to the device on its
@@ -64,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-threads",
         default="8,16",
         help="host bound: threads reading the staged reads into pinned buffers, no copy",
+    )
+    p.add_argument(
+        "--pipeline",
+        default="8x1,8x2",
+        help="pipeline bound: THREADSxBUFFERS per thread, comma-separated ('' to skip)",
     )
     p.add_argument("--reps", type=int, default=7, help="H2D copy repetitions")
     p.add_argument("--verify", type=int, default=64, help="tensors compared per contender")
@@ -139,6 +148,70 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
             os.close(fd)
     nbytes = sum(op.nbytes for op in ops)
     return {"threads": threads, "seconds": seconds, "bytes": nbytes, "reads": len(ops)}
+
+
+def pipeline_bound(
+    torch: Any, plan: Any, device: str, threads: int, depth: int, read_bytes: int, k: int
+) -> dict[str, Any]:
+    """What a staged load does per read, by plain threads: asyncslab's staged reads (its
+    schedule, ``read_staged``, one list copy per read, its default 4 streams shared by the
+    threads) into one device allocation laid out as its slabs, each thread with ``depth``
+    pinned buffers of its own. At depth 1 a thread waits for its copy before its next read,
+    as asyncslab's threads do; at depth 2 it reads into its other buffer meanwhile and waits
+    for a copy only before reusing that buffer. Timed until the last copy completed."""
+    from asyncslab._bench_worker import run_in_threads
+    from asyncslab._copy import _copy_pieces, read_staged
+    from asyncslab._loader import slab_layout
+    from asyncslab._schedule import schedule
+
+    ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
+    base, total, _ = slab_layout(plan, torch.device(device))
+    route_base = [base[r.slab] for r in plan.routes]
+    backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
+    streams = [torch.cuda.Stream(device=device) for _ in range(4)]
+    buffers = [
+        [torch.empty(read_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+        for _ in range(threads)
+    ]
+    pending: list[list[Any]] = [[None] * depth for _ in range(threads)]
+    turn = [0] * threads
+    fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
+
+    def one_read(i: int, op: Any) -> None:
+        slot = turn[i]
+        turn[i] = (slot + 1) % depth
+        if pending[i][slot] is not None:
+            pending[i][slot].synchronize()  # this buffer's last copy, before overwriting it
+        buffer = buffers[i][slot]
+        read_staged(fds[op.file], op, buffer, "pipeline")
+        stream = streams[i % len(streams)]
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        pending[i][slot] = event
+
+    torch.cuda.synchronize(device)
+    try:
+        t = time.perf_counter()
+        run_in_threads(ops, threads, one_read)
+        torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+    def slot_bytes(route: Any) -> Any:
+        start = base[route.slab] + route.dst_offset
+        return backing[start : start + route.nbytes]
+
+    return {
+        "threads": threads,
+        "depth": depth,
+        "seconds": seconds,
+        "gbps": plan.nbytes / seconds / 1e9,
+        "verified": verify(plan, slot_bytes, k),
+    }
 
 
 def sample_routes(plan: Any, k: int) -> list[Any]:
@@ -333,6 +406,17 @@ def main(argv: list[str] | None = None) -> int:
     report["host_bound"] = bounds
     # The fastest host bound is the ceiling of any staged load here, whatever H2D allows.
     best_bound = max((b["gbps"] for b in bounds), default=None)
+    pipelines = []
+    for spec in [x for x in args.pipeline.split(",") if x.strip()]:
+        threads, depth = (int(v) for v in spec.lower().split("x"))
+        pb = pipeline_bound(torch, plan, device, threads, depth, read_bytes, args.verify)
+        torch.cuda.empty_cache()  # its device allocation, before the loads measure theirs
+        pipelines.append(pb)
+        _log(
+            f"pipeline bound, {threads} threads x {depth} buffers: {pb['seconds']:.3f} s, "
+            f"{pb['gbps']:.2f} GB/s"
+        )
+    report["pipeline_bound"] = pipelines
 
     rows: list[dict[str, Any]] = []
 
@@ -399,6 +483,14 @@ def main(argv: list[str] | None = None) -> int:
     report["targets"] = targets
     if med_s and best_bound:
         report["default_of_host_bound"] = slab_bytes / med_s / 1e9 / best_bound
+    # asyncslab's threads do per read what the depth-1 pipeline does with its default
+    # thread count: the ratio is the cost of everything else (event loop, feed, landing).
+    default_threads = asyncslab.LoadOptions().staging_buffers
+    same = [pb for pb in pipelines if pb["threads"] == default_threads]
+    if med_s and same:
+        report["default_of_pipeline"] = {
+            f"{pb['threads']}x{pb['depth']}": slab_bytes / med_s / 1e9 / pb["gbps"] for pb in same
+        }
     report["total_s"] = time.perf_counter() - t_all
 
     lines = [
@@ -410,6 +502,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{report['page_cache_read']['gbps']:.2f} GB/s; host bound (reads into pinned "
         f"buffers, no copy): "
         + ", ".join(f"{b['threads']} threads {b['gbps']:.2f} GB/s" for b in bounds),
+        "pipeline bound (plain threads: read, copy, wait; threads x buffers each): "
+        + (
+            ", ".join(
+                f"{pb['threads']}x{pb['depth']} {pb['seconds']:.3f} s {pb['gbps']:.2f} GB/s "
+                f"({pb['gbps'] / h2d['gbps'] * 100:.0f} % of H2D, {pb['verified']} verified)"
+                for pb in pipelines
+            )
+            or "skipped"
+        ),
         "",
         f"{'contender':<28}{'s':>8}{'GB/s':>8}{'of H2D':>8}{'of bound':>10}{'peak GiB':>10}"
         f"{'final GiB':>11}{'peak/slabs':>12}{'verified':>10}",
@@ -428,6 +529,15 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"info  asyncslab (default, median) / fastest host bound: "
             f"{report['default_of_host_bound']:.3f} (no staged load here can pass that bound)"
+        )
+    for name, ratio in report.get("default_of_pipeline", {}).items():
+        lines.append(
+            f"info  asyncslab (default, median) / pipeline bound {name}: {ratio:.3f}"
+            + (
+                " (what asyncslab's machinery costs)"
+                if name.endswith("x1")
+                else " (what reading during the copy could give)"
+            )
         )
     lines.append(f"total {report['total_s']:.0f} s")
     print("\n".join(lines), flush=True)

@@ -4,6 +4,7 @@ they promise and write parseable JSON. No timing is asserted (shared machines ar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -159,13 +160,67 @@ def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present; gpu_bench would run for minutes")
+    assert _gpu_bench().main([]) == 0
+    assert "no CUDA device: skipped" in capsys.readouterr().out
+
+
+def _gpu_bench() -> Any:
     spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main([]) == 0
-    assert "no CUDA device: skipped" in capsys.readouterr().out
+    return module
+
+
+class _NoCuda:
+    """Just enough of ``torch`` for gpu_bench's pipeline bound to run on the CPU: streams
+    and events that do nothing (CPU copies are done when they return), no pinning."""
+
+    class cuda:  # noqa: N801 - stands in for torch.cuda
+        Stream = Event = staticmethod(lambda **_: _NoCuda.Sync())
+        device = stream = staticmethod(lambda *_: contextlib.nullcontext())
+        synchronize = staticmethod(lambda *_: None)
+
+    class Sync:
+        synced = 0
+
+        def record(self, stream: object) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            _NoCuda.Sync.synced += 1
+
+    uint8 = torch.uint8
+    device = torch.device
+
+    @staticmethod
+    def empty(*shape: int, pin_memory: bool = False, **kw: Any) -> torch.Tensor:
+        return torch.empty(*shape, **kw)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_gpu_bench_pipeline_bound_moves_every_byte(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, depth: int
+) -> None:
+    """The pipeline bound's buffer rotation, on the CPU: every read lands in its slots
+    (each one compared with safetensors), whatever the buffers per thread; a buffer is
+    waited for before each reuse."""
+    ckpt = asyncslab.Checkpoint.open(moe_checkpoint.root)
+    p = asyncslab.plan(ckpt)
+    _NoCuda.Sync.synced = 0
+    rec = _gpu_bench().pipeline_bound(_NoCuda, p, "cpu", 3, depth, 16 << 10, len(p.routes))
+    assert rec["verified"] == len(p.routes)
+    assert (rec["threads"], rec["depth"]) == (3, depth)
+    reads = len(_schedule(p, 16 << 10))
+    assert reads > 3 * depth
+    assert reads - 3 * depth <= _NoCuda.Sync.synced <= reads
+
+
+def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
+    from asyncslab._schedule import schedule
+
+    return list(schedule(p, max_read=size, gap=64 << 10).ops)
 
 
 def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
