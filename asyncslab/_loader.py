@@ -621,12 +621,26 @@ class SlabSet:
         ops = reads.schedule.ops
         paths = [str(f.path) for f in self._run_plan.files]
         backing, route_base = self._backing, self._route_base
+        routes, device = self._run_plan.routes, self.device
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
             with staging.use(worker) as buffer:
                 n = read_staged(fds[op.file], op, buffer, paths[op.file])
-                copier.copy(op, buffer, backing, route_base, worker)
+                try:
+                    copier.copy(op, buffer, backing, route_base, worker)
+                except Exception as err:
+                    first = routes[op.pieces[0][0]]
+                    raise LoadError(
+                        f"copy to {device} of the read of {op.nbytes} bytes at offset "
+                        f"{op.offset} ({len(op.pieces)} pieces, the first for "
+                        f"{first.describe()}) failed: {(str(err).splitlines() or [repr(err)])[0]}",
+                        file=paths[op.file],
+                        tensor=first.tensor,
+                        offset=op.offset,
+                        slab=first.slab,
+                        slot=first.slot,
+                    ) from err
             return n
 
         return read_one

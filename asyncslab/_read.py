@@ -392,10 +392,9 @@ class ReadFeed:
     def stop(self) -> None:
         self._stop.set()
 
-    def claim(self) -> tuple[int, float] | None:
-        """The next read's index and the ``perf_counter()`` time it may start at (0: now);
-        ``None`` when there is none left or the feed stopped. For callers that wait
-        themselves (the staged reads' coroutines); threads call :meth:`take`."""
+    def take(self, worker: int) -> int | None:
+        """The next read for thread ``worker``, once the pace allows it to start; ``None``
+        when there is none left or the feed stopped."""
         with self._lock:
             index = None if self._stop.is_set() else next(self._cursor, None)
             if index is None:
@@ -405,15 +404,6 @@ class ReadFeed:
                 # Each read starts no earlier than the rate allows for the bytes before it.
                 self._paced += self._sizes[index]
                 due = self._started + self._paced / self._rate
-        return index, due
-
-    def take(self, worker: int) -> int | None:
-        """The next read for thread ``worker``, once the pace allows it to start; ``None``
-        when there is none left or the feed stopped."""
-        claimed = self.claim()
-        if claimed is None:
-            return None
-        index, due = claimed
         delay = due - time.perf_counter()
         if delay > 0 and self._stop.wait(delay):
             return None

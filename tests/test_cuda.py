@@ -86,3 +86,35 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
     await slabs.load(ckpt)
     assert_bit_identical(slabs, ckpt)
     await slabs.aclose()
+
+
+async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy to the device that raises mid-load: the load fails naming the read, waits
+    for the copies already enqueued, releases its pinned buffers; the next load works."""
+    from asyncslab import _copy
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(staging_bytes=4 * (64 << 10), staging_buffers=4)
+    real = _copy.CudaCopier.copy
+    calls = [0]
+
+    def fifth_fails(self: _copy.CudaCopier, *args: object) -> None:
+        calls[0] += 1
+        if calls[0] == 5:
+            raise RuntimeError("CUDA error: injected")
+        real(self, *args)  # type: ignore[arg-type]
+
+    slabs = SlabSet(p, "cuda")
+    monkeypatch.setattr(_copy.CudaCopier, "copy", fifth_fails)
+    with pytest.raises(asyncslab.LoadError, match="copy to cuda.* failed: CUDA error: injected"):
+        await slabs.load(ckpt, options=options)
+    assert slabs.statistics().state == "failed"
+    assert slabs._staging is None
+    monkeypatch.undo()
+    slabs.reset()
+    await slabs.load(ckpt, options=options)
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()

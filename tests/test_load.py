@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -480,6 +481,46 @@ async def test_staged_load_pins_one_buffer_per_thread_on_the_threads(
     assert all(name.startswith("asyncslab-io_") for name in makers)
 
 
+async def test_a_failing_staged_copy_fails_the_load_naming_the_read(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy out of a staging buffer that raises (on a GPU: a CUDA error) fails the load
+    with an error naming the file, offset and first tensor of that read; nothing is left
+    behind and the next load into the same SlabSet works."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(cpu_staged=True, staging_bytes=3 * (16 << 10), staging_buffers=3)
+    real = copy_module.CpuCopier.copy
+    calls = [0]
+
+    def third_fails(self: Any, op: Any, *args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(self, op, *args)
+
+    fds_before = open_fds()
+    async with SlabSet(p) as slabs:
+        monkeypatch.setattr(copy_module.CpuCopier, "copy", third_fails)
+        with pytest.raises(asyncslab.LoadError, match="illegal memory access") as info:
+            await slabs.load(ckpt, options=options)
+        err = info.value
+        assert "copy to cpu of the read of" in str(err)
+        assert isinstance(err.__cause__, RuntimeError)
+        route = p.routes[[r.tensor for r in p.routes].index(err.tensor)]
+        assert err.file == str(route.file)
+        assert route.src_offset <= err.details["offset"] < route.src_offset + route.nbytes
+        assert (err.details["slab"], err.details["slot"]) == (route.slab, route.slot)
+        assert slabs.state == "failed"
+        assert slabs._staging is None
+        assert open_fds() == fds_before
+        assert not io_threads()
+        monkeypatch.setattr(copy_module.CpuCopier, "copy", real)
+        slabs.reset()
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)
+
+
 async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -527,19 +568,21 @@ async def test_slab_mapping_membership_does_not_need_completeness(
         assert "state='empty'" in repr(slabs)
 
 
+@pytest.mark.parametrize("staged", [False, True])
 async def test_paced_load_reports_progress_and_needed_bytes_at_once(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, staged: bool
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     seen: list[int] = []
     async with SlabSet(p) as slabs:
         rate = p.nbytes / 0.3  # about 0.3 s for the whole load
-        task = slabs.start(
-            ckpt,
-            options=LoadOptions(read_size=64 << 10, max_bytes_per_s=rate, progress_interval=0),
-            progress=lambda s: seen.append(s.bytes_landed),
-        )
+        options = LoadOptions(read_size=64 << 10, max_bytes_per_s=rate, progress_interval=0)
+        if staged:  # the same reads through the staging buffers
+            options = replace(
+                options, cpu_staged=True, staging_bytes=4 * (64 << 10), staging_buffers=4
+            )
+        task = slabs.start(ckpt, options=options, progress=lambda s: seen.append(s.bytes_landed))
         assert slabs.statistics().bytes_needed == p.nbytes  # known before the task runs
         await task
     assert seen == sorted(seen)
