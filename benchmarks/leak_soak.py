@@ -12,7 +12,7 @@ arenas of the first I/O threads are paid) and after: live threads (all, and
 ``asyncslab-io*``), open fds (``/proc/self/fd``), ``VmRSS``, and torch CPU allocations (live
 ``torch.Tensor`` objects found by the garbage collector, and the bytes of their distinct
 storages; torch has no CPU allocator counter). Pinned (page-locked) memory is not used by a
-CPU load: N/A here; the CUDA staging ring is the only user of pinned memory.
+CPU load: N/A here; the CUDA staging buffers are the only user of pinned memory.
 
     python benchmarks/leak_soak.py                     # 1,000 cycles on asyncio and uvloop
     python benchmarks/leak_soak.py --cycles 200 --loop asyncio

@@ -1,4 +1,4 @@
-"""The CUDA target: pinned staging ring, copies on several streams, pointer identity on the
+"""The CUDA target: pinned staging buffers, copies on several streams, pointer identity on the
 device. Skipped cleanly where CUDA is not available (see conftest)."""
 
 from __future__ import annotations

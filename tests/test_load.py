@@ -391,7 +391,7 @@ async def test_duplicate_read_in_schedule_fails_the_load(
 
 
 async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
-    """The staging ring (what a CUDA target uses) exercised on CPU: tensors larger than a
+    """The staging buffers (what a CUDA target uses) exercised on CPU: tensors larger than a
     buffer move in chunks, and staging in use never exceeds the budget."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
