@@ -181,6 +181,27 @@ class _NoCuda:
         Stream = Event = staticmethod(lambda **_: _NoCuda.Sync())
         device = stream = staticmethod(lambda *_: contextlib.nullcontext())
         synchronize = staticmethod(lambda *_: None)
+        cudart = staticmethod(lambda: _NoCuda.Runtime)
+
+    class Runtime:
+        """Host registrations: ``(address, size, flags)`` registered, addresses unregistered;
+        ``fail_at``: the registration (counted from 1) that returns a CUDA error."""
+
+        registered: list[tuple[int, int, int]] = []
+        unregistered: list[int] = []
+        fail_at = 0
+
+        @staticmethod
+        def cudaHostRegister(address: int, size: int, flags: int) -> int:  # noqa: N802
+            if len(_NoCuda.Runtime.registered) + 1 == _NoCuda.Runtime.fail_at:
+                return 801  # cudaErrorNotSupported
+            _NoCuda.Runtime.registered.append((address, size, flags))
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(address: int) -> int:  # noqa: N802
+            _NoCuda.Runtime.unregistered.append(address)
+            return 0
 
     class Sync:
         synced = 0
@@ -193,6 +214,7 @@ class _NoCuda:
 
     uint8 = torch.uint8
     device = torch.device
+    frombuffer = staticmethod(torch.frombuffer)
 
     @staticmethod
     def empty(*shape: int, pin_memory: bool = False, **kw: Any) -> torch.Tensor:
@@ -215,6 +237,31 @@ def test_gpu_bench_pipeline_bound_moves_every_byte(
     reads = len(_schedule(p, 16 << 10))
     assert reads > 3 * depth
     assert reads - 3 * depth <= _NoCuda.Sync.synced <= reads
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_gpu_bench_mapped_dma_bound_copies_from_the_mappings(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, fail_at: int
+) -> None:
+    """The mapped DMA bound's bookkeeping, on the CPU: each shard mapped and registered
+    read-only, every tensor copied out of the mappings into its slot (each compared with
+    safetensors), every registration undone; a registration that fails is reported as an
+    error, with the ones before it undone."""
+    ckpt = asyncslab.Checkpoint.open(moe_checkpoint.root)
+    p = asyncslab.plan(ckpt)
+    assert len(p.files) >= 2
+    runtime = _NoCuda.Runtime
+    runtime.registered, runtime.unregistered, runtime.fail_at = [], [], fail_at
+    rec = _gpu_bench().mapped_dma_bound(_NoCuda, p, "cpu", len(p.routes))
+    if fail_at:
+        assert rec == {"error": "cudaHostRegister(read-only) returned CUDA error 801"}
+        assert len(runtime.registered) == fail_at - 1
+    else:
+        assert rec["verified"] == len(p.routes)
+        assert rec["seconds"] >= rec["copy_s"] > 0
+        assert [size for _, size, _ in runtime.registered] == [f.size for f in p.files]
+        assert {flags for _, _, flags in runtime.registered} == {8}  # read-only
+    assert sorted(runtime.unregistered) == sorted(a for a, _, _ in runtime.registered)
 
 
 def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
