@@ -22,36 +22,36 @@ def test_staging_buffers_one_per_thread_made_when_first_used() -> None:
 
     with pytest.raises(ValueError, match="cannot hold"):
         StagingBuffers(2, 3, make)
-    ring = StagingBuffers(3 * 1024 + 2, 3, make)  # the rest of the budget goes unused
-    assert ring.statistics().buffers == 0  # nothing pinned before a read asks
+    staging = StagingBuffers(3 * 1024 + 2, 3, make)  # the rest of the budget goes unused
+    assert staging.statistics().buffers == 0  # nothing pinned before a read asks
     with pytest.raises(RuntimeError, match="cannot pin"):
-        ring.use(1).__enter__()
-    assert ring.statistics() == StagingStatistics(0, 1024, 0, 0)  # the slot stayed empty
-    with ring.use(1) as first:
-        assert ring.statistics().in_use == 1024
-    with ring.use(1) as again:
+        staging.use(1).__enter__()
+    assert staging.statistics() == StagingStatistics(0, 1024, 0, 0)  # the slot stayed empty
+    with staging.use(1) as first:
+        assert staging.statistics().in_use == 1024
+    with staging.use(1) as again:
         assert again is first  # a thread reuses its own buffer
     with pytest.raises(KeyError):  # noqa: PT012 - the error must cross the use block
-        with ring.use(0) as other:
+        with staging.use(0) as other:
             seen = other
             raise KeyError("a read that fails inside the block")
     assert seen is not first
     assert seen.numel() == 1024
     assert made == [1024, 1024]
-    stats = ring.statistics()
+    stats = staging.statistics()
     assert (stats.buffers, stats.in_use, stats.peak_in_use) == (2, 0, 1024)
-    ring.close()
-    assert ring.statistics().buffers == 0
+    staging.close()
+    assert staging.statistics().buffers == 0
 
 
 def test_staging_buffers_count_concurrent_use() -> None:
-    ring = StagingBuffers(4 * 256, 4, lambda size: torch.empty(size, dtype=torch.uint8))
+    staging = StagingBuffers(4 * 256, 4, lambda size: torch.empty(size, dtype=torch.uint8))
     inside = threading.Barrier(5)
     leave = threading.Event()
     seen: list[int] = []
 
     def work(worker: int) -> None:
-        with ring.use(worker) as buffer:
+        with staging.use(worker) as buffer:
             seen.append(buffer.data_ptr())
             inside.wait(5)
             leave.wait(5)
@@ -60,9 +60,9 @@ def test_staging_buffers_count_concurrent_use() -> None:
     for t in threads:
         t.start()
     inside.wait(5)  # all four are inside their blocks
-    assert ring.statistics().in_use == 4 * 256
+    assert staging.statistics().in_use == 4 * 256
     leave.set()
     for t in threads:
         t.join()
     assert len(set(seen)) == 4
-    assert ring.statistics() == StagingStatistics(4, 256, 0, 4 * 256)
+    assert staging.statistics() == StagingStatistics(4, 256, 0, 4 * 256)
