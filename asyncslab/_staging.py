@@ -2,10 +2,10 @@
 
 A thread reads into its own buffer, enqueues the copies out of it and waits for them before
 its next read (the copier returns only then). So host memory stays at the budget whatever
-the checkpoint's size, and no buffer ever changes hands: between two reads a thread needs
-no queue, no lock and no event-loop turn. Handing each read and its buffer over from the
-event loop cost a round trip through the loop per read, each retaking the GIL behind the
-other threads; the same change on direct reads gained 12-19 % (see ``_read.ReadFeed``).
+the checkpoint's size, and no buffer ever changes hands: between two reads a thread waits
+for its own copy, never for an event-loop turn. Handing each read and its buffer over from
+the event loop cost a round trip through the loop per read, each retaking the GIL behind
+the other threads; the same change on direct reads gained 12-19 % (see ``_read.ReadFeed``).
 
 A buffer is made (pinned) by its thread when that thread first reads, so the first read
 starts after one buffer is pinned, not all of them (pinning ran at ~1 GB/s on an H200
