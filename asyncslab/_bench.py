@@ -561,22 +561,14 @@ def _ok(rec: dict[str, Any] | None) -> bool:
     return rec is not None and "seconds" in rec
 
 
-def _seconds_of(name: str) -> Callable[[dict[str, dict[str, Any]]], float | None]:
+def _seconds_of(*names: str) -> Callable[[dict[str, dict[str, Any]]], float | None]:
+    """A run's seconds of the fastest of ``names`` that ran in it (``None``: none did)."""
+
     def get(by_contender: dict[str, dict[str, Any]]) -> float | None:
-        rec = by_contender.get(name)
-        return rec["seconds"] if _ok(rec) and rec is not None else None
+        times = [by_contender[c]["seconds"] for c in names if _ok(by_contender.get(c))]
+        return min(times) if times else None
 
     return get
-
-
-def _best_bound(by_contender: dict[str, dict[str, Any]]) -> float | None:
-    times = [by_contender[c]["seconds"] for c in ("bound-1", "bound-N") if _ok(by_contender.get(c))]
-    return min(times) if times else None
-
-
-def _best_peer(by_contender: dict[str, dict[str, Any]]) -> float | None:
-    times = [by_contender[c]["seconds"] for c in PEERS if _ok(by_contender.get(c))]
-    return min(times) if times else None
 
 
 def _paired_over(
@@ -617,7 +609,7 @@ def _summarise(
             peak_growth=_median([r["peak_growth"] for r in good]),
             peak_growth_max=max(r["peak_growth"] for r in good),
             x_bound=_paired_over(runs, _seconds_of(c), _seconds_of("bound-N")),
-            x_best_bound=_paired_over(runs, _seconds_of(c), _best_bound),
+            x_best_bound=_paired_over(runs, _seconds_of(c), _seconds_of("bound-1", "bound-N")),
             x_asyncslab=_paired_over(runs, _seconds_of(c), _seconds_of("asyncslab")),
             plan_s=_median([r.get("plan_s", 0.0) for r in good]),
         )
@@ -723,7 +715,8 @@ def _targets(
         v = fresh.get(other, {}).get("x_asyncslab")
         if v is not None:
             add(f"warm fresh: {other} / asyncslab (asyncslab faster)", v, "> 1", v > 1)
-    v = _paired_over(runs_by_mode.get("warm-fresh", []), _best_peer, _seconds_of("asyncslab"))
+    fresh_runs = runs_by_mode.get("warm-fresh", [])
+    v = _paired_over(fresh_runs, _seconds_of(*PEERS), _seconds_of("asyncslab"))
     if v is not None:
         add("warm fresh: best peer configuration / asyncslab (asyncslab faster)", v, "> 1", v > 1)
     v = summaries.get("cold", {}).get("asyncslab", {}).get("x_best_bound")

@@ -413,7 +413,6 @@ def run_in_threads(jobs: Sequence[T], threads: int, work: Callable[[int, T], obj
     return seconds
 
 
-
 def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int) -> dict[str, Any]:
     """The bytes asyncslab reads, coalesced by its own scheduler, read with the same
     ``preadv`` calls into one preallocated buffer (slab by slab at asyncslab's offsets) by
