@@ -494,8 +494,9 @@ class SlabSet:
             sched = reads.schedule
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
+            paths = [str(shard.path) for shard in plan.files]  # for errors
             if not staged:
-                read_one = self._direct_reads(reads, fds)
+                read_one = self._direct_reads(reads, fds, paths)
             else:
                 # Pinning blocks for long: each I/O thread pins its own buffer when it first
                 # reads (see _staging).
@@ -507,7 +508,7 @@ class SlabSet:
                 self._staging = staging
                 self._staging_budget = options.staging_bytes
                 copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
-                read_one = self._staged_reads(reads, fds, staging, copier)
+                read_one = self._staged_reads(reads, fds, paths, staging, copier)
             try:
                 async with asyncio.TaskGroup() as tg:
 
@@ -521,7 +522,7 @@ class SlabSet:
                     ticker = _Ticker(progress, options.progress_interval, self.statistics)
                     workers = min(workers, max(1, len(sched.ops)))
                     tg.create_task(
-                        self._read_all(sched.ops, read_one, pool, options, workers, ticker)
+                        self._read_all(sched.ops, paths, read_one, pool, options, workers, ticker)
                     )
             except BaseExceptionGroup as group:
                 error = _first_error(group)
@@ -601,11 +602,12 @@ class SlabSet:
         )
         return _Reads(sched, scatters, scratch)
 
-    def _direct_reads(self, reads: _Reads, fds: Mapping[int, int]) -> _ReadOne:
+    def _direct_reads(
+        self, reads: _Reads, fds: Mapping[int, int], paths: Sequence[str]
+    ) -> _ReadOne:
         """Reads straight into host slabs, each scattered by one ready-made iovec array."""
         ops, scatters = reads.schedule.ops, reads.scatters
         assert scatters is not None
-        paths = [str(f.path) for f in self._run_plan.files]
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
@@ -614,12 +616,16 @@ class SlabSet:
         return read_one
 
     def _staged_reads(
-        self, reads: _Reads, fds: Mapping[int, int], staging: StagingBuffers, copier: Copier
+        self,
+        reads: _Reads,
+        fds: Mapping[int, int],
+        paths: Sequence[str],
+        staging: StagingBuffers,
+        copier: Copier,
     ) -> _ReadOne:
         """Reads into the thread's own staging buffer, then copies into the slabs; returns
         once the copies completed, so the thread's next read may overwrite the buffer."""
         ops = reads.schedule.ops
-        paths = [str(f.path) for f in self._run_plan.files]
         backing, route_base = self._backing, self._route_base
         routes, device = self._run_plan.routes, self.device
 
@@ -648,6 +654,7 @@ class SlabSet:
     async def _read_all(
         self,
         ops: Sequence[ReadOp],
+        paths: Sequence[str],
         read_one: _ReadOne,
         pool: IoPool,
         options: LoadOptions,
@@ -658,7 +665,6 @@ class SlabSet:
         themselves (``read_one(thread, index)``) and report it here without waiting (see
         ReadFeed); this task lands what arrives and watches for reads taking longer than
         ``read_timeout``."""
-        paths = [str(f.path) for f in self._run_plan.files]
         feed = ReadFeed(
             [op.nbytes for op in ops],
             workers,
