@@ -160,6 +160,29 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
     return {"threads": threads, "seconds": seconds, "bytes": nbytes, "reads": len(ops)}
 
 
+@dataclasses.dataclass(frozen=True)
+class _DeviceSlabs:
+    """One device allocation laid out as asyncslab lays out its slabs, for the bounds that
+    copy into the device without asyncslab: ``route_base[route]`` is where a route's slab
+    starts in ``backing``."""
+
+    backing: Any
+    base: dict[str, int]
+    route_base: list[int]
+
+    @classmethod
+    def allocate(cls, torch: Any, plan: Any, device: str) -> _DeviceSlabs:
+        from asyncslab._loader import slab_layout
+
+        base, total, _ = slab_layout(plan, torch.device(device))
+        backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
+        return cls(backing, base, [base[r.slab] for r in plan.routes])
+
+    def slot_bytes(self, route: Any) -> Any:
+        start = self.base[route.slab] + route.dst_offset
+        return self.backing[start : start + route.nbytes]
+
+
 def pipeline_bound(
     torch: Any, plan: Any, device: str, threads: int, depth: int, read_bytes: int, k: int
 ) -> dict[str, Any]:
@@ -171,13 +194,10 @@ def pipeline_bound(
     for a copy only before reusing that buffer. Timed until the last copy completed."""
     from asyncslab._bench_worker import run_in_threads
     from asyncslab._copy import _copy_pieces, read_staged
-    from asyncslab._loader import slab_layout
     from asyncslab._schedule import schedule
 
     ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
-    base, total, _ = slab_layout(plan, torch.device(device))
-    route_base = [base[r.slab] for r in plan.routes]
-    backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
+    slabs = _DeviceSlabs.allocate(torch, plan, device)
     streams = [torch.cuda.Stream(device=device) for _ in range(4)]
     buffers = [
         [torch.empty(read_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
@@ -196,7 +216,7 @@ def pipeline_bound(
         read_staged(fds[op.file], op, buffer, "pipeline")
         stream = streams[i % len(streams)]
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+            _copy_pieces(op, buffer, slabs.backing, slabs.route_base, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         pending[i][slot] = event
@@ -211,16 +231,12 @@ def pipeline_bound(
         for fd in fds:
             os.close(fd)
 
-    def slot_bytes(route: Any) -> Any:
-        start = base[route.slab] + route.dst_offset
-        return backing[start : start + route.nbytes]
-
     return {
         "threads": threads,
         "depth": depth,
         "seconds": seconds,
         "gbps": plan.nbytes / seconds / 1e9,
-        "verified": verify(plan, slot_bytes, k),
+        "verified": verify(plan, slabs.slot_bytes, k),
     }
 
 
@@ -241,7 +257,6 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
     import ctypes
 
     from asyncslab._copy import _copy_pieces
-    from asyncslab._loader import slab_layout
     from asyncslab._schedule import schedule
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -252,9 +267,7 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     cudart = torch.cuda.cudart()
     ops = schedule(plan, max_read=32 << 20, gap=64 << 10).ops
-    base, total, _ = slab_layout(plan, torch.device(device))
-    route_base = [base[r.slab] for r in plan.routes]
-    backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
+    slabs = _DeviceSlabs.allocate(torch, plan, device)
     streams = [torch.cuda.Stream(device=device) for _ in range(4)]
     maps: list[tuple[int, int]] = []
     registered: list[int] = []
@@ -286,16 +299,11 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
             for i, op in enumerate(ops):
                 with torch.cuda.stream(streams[i % len(streams)]):
                     view = sources[op.file][op.offset : op.offset + op.nbytes]
-                    _copy_pieces(op, view, backing, route_base, non_blocking=True)
+                    _copy_pieces(op, view, slabs.backing, slabs.route_base, non_blocking=True)
         torch.cuda.synchronize(device)
         end = time.perf_counter()
         out.update(copy_s=end - t_copy, seconds=end - t, gbps=plan.nbytes / (end - t) / 1e9)
-
-        def slot_bytes(route: Any) -> Any:
-            start = base[route.slab] + route.dst_offset
-            return backing[start : start + route.nbytes]
-
-        out["verified"] = verify(plan, slot_bytes, k)
+        out["verified"] = verify(plan, slabs.slot_bytes, k)
         t = time.perf_counter()
         for address in registered:
             cudart.cudaHostUnregister(address)
