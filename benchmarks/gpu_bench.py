@@ -160,23 +160,18 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
     return {"threads": threads, "seconds": seconds, "bytes": nbytes, "reads": len(ops)}
 
 
-@dataclasses.dataclass(frozen=True)
 class _DeviceSlabs:
     """One device allocation laid out as asyncslab lays out its slabs, for the bounds that
     copy into the device without asyncslab: ``route_base[route]`` is where a route's slab
-    starts in ``backing``."""
+    starts in ``backing``. (A plain class: this file is also loaded by path, outside
+    ``sys.modules``, where dataclasses cannot resolve their module.)"""
 
-    backing: Any
-    base: dict[str, int]
-    route_base: list[int]
-
-    @classmethod
-    def allocate(cls, torch: Any, plan: Any, device: str) -> _DeviceSlabs:
+    def __init__(self, torch: Any, plan: Any, device: str) -> None:
         from asyncslab._loader import slab_layout
 
-        base, total, _ = slab_layout(plan, torch.device(device))
-        backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
-        return cls(backing, base, [base[r.slab] for r in plan.routes])
+        self.base, total, _ = slab_layout(plan, torch.device(device))
+        self.backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
+        self.route_base = [self.base[r.slab] for r in plan.routes]
 
     def slot_bytes(self, route: Any) -> Any:
         start = self.base[route.slab] + route.dst_offset
@@ -197,7 +192,7 @@ def pipeline_bound(
     from asyncslab._schedule import schedule
 
     ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
-    slabs = _DeviceSlabs.allocate(torch, plan, device)
+    slabs = _DeviceSlabs(torch, plan, device)
     streams = [torch.cuda.Stream(device=device) for _ in range(4)]
     buffers = [
         [torch.empty(read_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
@@ -267,7 +262,7 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
     libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
     cudart = torch.cuda.cudart()
     ops = schedule(plan, max_read=32 << 20, gap=64 << 10).ops
-    slabs = _DeviceSlabs.allocate(torch, plan, device)
+    slabs = _DeviceSlabs(torch, plan, device)
     streams = [torch.cuda.Stream(device=device) for _ in range(4)]
     maps: list[tuple[int, int]] = []
     registered: list[int] = []
