@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,33 +66,26 @@ def _ratio_label(name: str, row: dict[str, Any]) -> str:
     return "" if ratio is None or name == "asyncslab" else f"{ratio:.2f}x asyncslab's time"
 
 
+def _bars(summary: dict[str, Any], value: Callable[[dict[str, Any]], float]) -> tuple[Bar, ...]:
+    """A bar per contender measured in ``summary``, in its order."""
+    return tuple(
+        Bar(name, value(row), _ratio_label(name, row), kind_of(name))
+        for name, row in summary.items()
+        if "seconds" in row
+    )
+
+
 def panels(report: dict[str, Any], many_small: dict[str, Any] | None = None) -> list[Panel]:
     """What to draw: pure data, so it is tested without matplotlib."""
     out: list[Panel] = []
     for mode, summary in report.get("summary", {}).items():
-        bars = tuple(
-            Bar(name, row["gbps"], _ratio_label(name, row), kind_of(name))
-            for name, row in summary.items()
-            if "seconds" in row
-        )
-        if bars:
+        if bars := _bars(summary, lambda row: row["gbps"]):
             out.append(Panel(MODE_TITLES.get(mode, mode), "GB/s", bars))
     if many_small is not None:
         count = many_small["many_small"]["count"]
         for plan, summary in many_small.get("summary", {}).items():
-            bars = tuple(
-                Bar(
-                    name,
-                    row["tensors"] / row["seconds"],
-                    _ratio_label(name, row),
-                    kind_of(name),
-                )
-                for name, row in summary.items()
-                if "seconds" in row
-            )
-            if bars:
-                title = f"{count:,} tensors of 4 KiB, {plan} plan"
-                out.append(Panel(title, "tensors/s", bars))
+            if bars := _bars(summary, lambda row: row["tensors"] / row["seconds"]):
+                out.append(Panel(f"{count:,} tensors of 4 KiB, {plan} plan", "tensors/s", bars))
     return out
 
 
