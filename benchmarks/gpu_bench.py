@@ -163,8 +163,7 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
 class _DeviceSlabs:
     """One device allocation laid out as asyncslab lays out its slabs, for the bounds that
     copy into the device without asyncslab: ``route_base[route]`` is where a route's slab
-    starts in ``backing``. (A plain class: this file is also loaded by path, outside
-    ``sys.modules``, where dataclasses cannot resolve their module.)"""
+    starts in ``backing``."""
 
     def __init__(self, torch: Any, plan: Any, device: str) -> None:
         from asyncslab._loader import slab_layout

@@ -164,13 +164,20 @@ def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> Non
     assert "no CUDA device: skipped" in capsys.readouterr().out
 
 
-def _gpu_bench() -> Any:
-    spec = importlib.util.spec_from_file_location("gpu_bench", REPO / "benchmarks" / "gpu_bench.py")
+def _script(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (registered, as dataclasses need)."""
+    path = REPO / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _gpu_bench() -> Any:
+    return _script("gpu_bench")
 
 
 class _NoCuda:
@@ -357,13 +364,7 @@ def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) 
 
 
 def _plot_module() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_plot", REPO / "benchmarks" / "plot.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return _script("plot")
 
 
 def test_plot_draws_what_the_table_says(smoke: dict[str, Any], tmp_path: Path) -> None:
