@@ -4,6 +4,10 @@ Routes come sorted by file and offset. Neighbours whose gap is at most ``gap`` b
 into one read of at most ``max_read`` bytes (the gap is read and discarded: one syscall
 beats two when the gap is small). A tensor larger than ``max_read`` is split into chunks, so
 staging buffers of a fixed size can carry any tensor. Pure: no I/O.
+
+A mapped load (see ``_mapped``) reads nothing: it registers each read's pages with CUDA and
+copies out of them. CUDA refuses a page that is registered already, so :func:`windows`
+cuts its reads at fixed, page-aligned boundaries instead: no two reads share a page.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 from ._plan import Plan
 
-__all__ = ["Piece", "ReadOp", "Schedule", "schedule"]
+__all__ = ["Piece", "ReadOp", "Schedule", "schedule", "windows"]
 
 
 #: ``(route, read_offset, dst_offset, nbytes)``: bytes ``[read_offset, read_offset + nbytes)``
@@ -89,6 +93,56 @@ def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
     if pieces:
         per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
 
+    ops = _interleave(per_file)
+    return Schedule(
+        ops=ops,
+        empty=tuple(empty),
+        bytes_needed=needed,
+        bytes_read=sum(op.nbytes for op in ops),
+    )
+
+
+def windows(plan: Plan, *, window: int) -> Schedule:
+    """The reads of a mapped load: each file's tensor bytes cut at every multiple of
+    ``window`` (a file offset), one read per window that holds any, from its first byte
+    needed to its last (gaps between tensors inside a window are spanned, not copied).
+
+    With ``window`` a multiple of the page size, the pages under two reads never overlap,
+    whatever order the routes come in, so each read's pages can be registered and released
+    on their own."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    file_index = {f.path: i for i, f in enumerate(plan.files)}
+    # (file, window) -> [(file offset, route, dst_offset, nbytes)]: routes may come in any
+    # order (a rule can take rows of a tensor for several slabs), and a window must still
+    # become a single read.
+    found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    empty: list[int] = []
+    needed = 0
+    last_path: object = None
+    f = -1
+    for index, route in enumerate(plan.routes):
+        nbytes = route.nbytes
+        if nbytes == 0:
+            empty.append(index)
+            continue
+        needed += nbytes
+        if route.file is not last_path:
+            last_path = route.file
+            f = file_index[route.file]
+        at, end, dst = route.src_offset, route.src_offset + nbytes, route.dst_offset
+        while at < end:
+            k = at // window
+            cut = min(end, (k + 1) * window)
+            found.setdefault((f, k), []).append((at, index, dst, cut - at))
+            dst += cut - at
+            at = cut
+    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
+    for (f, _), parts in sorted(found.items()):
+        start = min(p[0] for p in parts)
+        stop = max(p[0] + p[3] for p in parts)
+        pieces = tuple((route, at - start, dst, n) for at, route, dst, n in sorted(parts))
+        per_file[f].append(ReadOp(f, start, stop - start, pieces))
     ops = _interleave(per_file)
     return Schedule(
         ops=ops,

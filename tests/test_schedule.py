@@ -2,7 +2,8 @@
 
 Whatever the sizes, gaps and limits, every routed byte is read exactly once and lands at its
 slot's offset; no read exceeds ``max_read``; a discarded gap never exceeds ``gap``; each
-file is read front to back.
+file is read front to back. The windows of a mapped load read every byte once as well, one
+read per window.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncslab import Checkpoint, Plan, plan
-from asyncslab._schedule import Schedule, schedule
+from asyncslab._schedule import Schedule, schedule, windows
 
 
 def checkpoint_of(directory: Path, files: list[list[int]]) -> Checkpoint:
@@ -101,3 +103,59 @@ def test_neighbours_coalesce_and_large_tensors_split(tmp_path: Path) -> None:
         (24, 8),
     ]
     check(p, s, 12, 0)
+
+
+# --- windows: the reads of a mapped load ---------------------------------------------------------
+
+
+def check_windows(p: Plan, s: Schedule, window: int) -> None:
+    """Every byte once (as for any schedule), and each read inside one window of its file,
+    one read per window: reads never share a page when ``window`` is a multiple of it."""
+    check(p, s, window, window)
+    seen: set[tuple[int, int]] = set()
+    for op in s.ops:
+        first, last = op.offset // window, (op.offset + op.nbytes - 1) // window
+        assert first == last, (op.offset, op.nbytes)
+        assert (op.file, first) not in seen
+        seen.add((op.file, first))
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    files=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=3),
+    window=st.integers(1, 64),
+    drop=st.sets(st.integers(0, 40), max_size=8),
+)
+def test_property_windows_read_every_byte_once_one_read_per_window(
+    files: list[list[int]], window: int, drop: set[int]
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        ck = checkpoint_of(Path(d), files)
+        ignored = [name for k, name in enumerate(ck.tensors) if k in drop]
+        p = plan(ck, ignore=ignored) if ignored else plan(ck)
+        check_windows(p, windows(p, window=window), window)
+
+
+def test_windows_cut_tensors_at_window_boundaries(tmp_path: Path) -> None:
+    ck = checkpoint_of(tmp_path, [[6, 4, 30]])
+    p = plan(ck)
+    start = ck.files[0].data_start
+    s = windows(p, window=16)
+    cuts = [(op.offset, op.nbytes, [(piece[1], piece[3]) for piece in op.pieces]) for op in s.ops]
+    # Windows are file offsets: the first one ends wherever 16 divides the offset.
+    first_end = (start // 16 + 1) * 16
+    assert cuts[0][0] == start
+    assert cuts[0][0] + cuts[0][1] == first_end
+    assert all(op.offset % 16 == 0 for op in s.ops[1:])
+    assert sum(op.nbytes for op in s.ops) == 40  # no gaps: every byte is a tensor's
+    check_windows(p, s, 16)
+
+
+def test_windows_take_routes_in_any_order(tmp_path: Path) -> None:
+    # A rule may emit routes out of file order; a window must still be one read.
+    ck = checkpoint_of(tmp_path, [[5, 7, 9, 11, 3], [8, 8]])
+    p = plan(ck)
+    order = [4, 0, 6, 2, 5, 1, 3]
+    shuffled = SimpleNamespace(files=p.files, routes=[p.routes[i] for i in order])
+    s = windows(shuffled, window=8)  # type: ignore[arg-type]
+    check_windows(shuffled, s, 8)  # type: ignore[arg-type]
