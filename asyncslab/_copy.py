@@ -7,7 +7,8 @@ written once; :func:`direct_scatters` works out those destinations once per plan
 CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into the slots on one
 of several streams, bytes as bytes (a ``uint8`` view on both sides, so no dtype conversion
 can ever happen), then waits on the event recorded after the copies — on the worker
-thread, never on the event loop — before the buffer may be reused.
+thread, never on the event loop — before the buffer may be reused. A mapped read (see
+``_mapped``) goes through the same copier, its source the registered pages themselves.
 """
 
 from __future__ import annotations
@@ -122,7 +123,17 @@ class CudaCopier:
         """
         stream = self.streams[stream_index % len(self.streams)]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+            try:
+                _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+            except BaseException:
+                # Copies enqueued before the failing one may still read the buffer (or the
+                # registered pages of a mapped read), which the caller reuses or releases
+                # once this returns: let them finish first, if the device still can.
+                try:
+                    stream.synchronize()
+                except Exception:  # noqa: BLE001, S110 - the first error is the one to report
+                    pass
+                raise
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         event.synchronize()

@@ -32,9 +32,10 @@ from ._errors import (
     ReadTimeoutError,
 )
 from ._format import Checkpoint
+from ._mapped import PAGE, CudaRegistry, Mappings, PopulateRegistry, Registry, transfer
 from ._plan import Plan
 from ._read import IoPool, ReadFeed, Scatter
-from ._schedule import ReadOp, Schedule, schedule
+from ._schedule import ReadOp, Schedule, schedule, windows
 from ._staging import StagingBuffers
 from ._tracker import Tracker
 
@@ -43,6 +44,8 @@ __all__ = ["LoadOptions", "LoadStatistics", "SlabSet", "load"]
 T = TypeVar("T")
 
 State = Literal["empty", "loading", "complete", "failed", "cancelled"]
+Transfer = Literal["auto", "direct", "staged", "mapped"]
+_TRANSFERS: tuple[Transfer, ...] = ("auto", "direct", "staged", "mapped")
 UnitCallback = Callable[[str, "SlabSet"], Awaitable[None]]
 ProgressCallback = Callable[["LoadStatistics"], None]
 
@@ -65,8 +68,14 @@ class LoadOptions:
     the same load time. Not 19: an I/O thread holds the GIL briefly between two reads, and
     the loop waiting for it should not wait behind everything else on the machine. 0 leaves
     the threads as they are.
-    ``cpu_staged``: on a CPU target, read through the staging buffers and copy, instead of
-    reading straight into the slabs (slower; for comparison and for testing that path).
+    ``transfer``: how bytes reach the slabs. ``"direct"`` (CPU targets): read straight into
+    the slabs. ``"staged"``: read into the pinned staging buffers, then copy. ``"mapped"``:
+    map the shards and copy straight out of the page cache, each read's pages registered
+    with CUDA while they are copied from (no staging buffers; Linux; see ``_mapped``).
+    ``"auto"``: direct on a CPU, staged on CUDA. Staged and mapped on a CPU target test
+    those paths without a GPU (slower than direct). Mapped reads are cut at multiples of
+    ``staging_bytes // staging_buffers`` and run on ``staging_buffers`` threads, as staged
+    ones.
     ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
     to leave storage bandwidth to a neighbour — or to watch a small load in slow motion.
     """
@@ -80,7 +89,7 @@ class LoadOptions:
     read_timeout: float | None = 60.0
     io_nice: int = 10
     progress_interval: float = 0.1
-    cpu_staged: bool = False
+    transfer: Transfer = "auto"
     max_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +102,11 @@ class LoadOptions:
             raise ValueError("LoadOptions.io_nice must be in 0..19 (raising priority needs root)")
         if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
             raise ValueError("LoadOptions.max_bytes_per_s must be positive")
+        if self.transfer not in _TRANSFERS:
+            raise ValueError(
+                f"LoadOptions.transfer must be one of {', '.join(_TRANSFERS)}, "
+                f"got {self.transfer!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,10 +331,9 @@ class SlabSet:
     ) -> asyncio.Task[SlabSet]:
         """Begin a load in the background and return its task (owned by this SlabSet:
         :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
-        self._begin(checkpoint, plan)
-        return self._spawn(
-            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
-        )
+        options = options or LoadOptions()
+        self._begin(checkpoint, plan, options)
+        return self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
 
     async def load(
         self,
@@ -334,12 +347,11 @@ class SlabSet:
         """Load ``checkpoint`` into these slabs and return ``self`` when every unit is
         complete. ``plan`` (default: the one the slabs were made for) may be another
         checkpoint's plan with the same slab layout."""
-        self._begin(checkpoint, plan)
+        options = options or LoadOptions()
+        self._begin(checkpoint, plan, options)
         # A task of its own, so that aclose() can cancel this load and wait for its drain
         # (freeing the slabs under running reads would be a use-after-free).
-        task = self._spawn(
-            self._run(checkpoint, options or LoadOptions(), on_unit_ready, progress)
-        )
+        task = self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
         try:
             return await task
         except asyncio.CancelledError:
@@ -395,7 +407,7 @@ class SlabSet:
         self._tracker = Tracker(plan)
         # Plans are immutable and the backing stays put, so a reload with the same options
         # reuses its reads, destinations included.
-        self._read_plans: dict[tuple[int, int], _Reads] = {}
+        self._read_plans: dict[tuple[Transfer, int, int], _Reads] = {}
 
     def _reset_counters(self) -> None:
         self._bytes_needed = 0
@@ -434,9 +446,10 @@ class SlabSet:
         if self._state == "loading" and task is not None and task.done():
             self._finish("cancelled", asyncio.CancelledError())
 
-    def _begin(self, checkpoint: Checkpoint, plan: Plan | None) -> None:
+    def _begin(self, checkpoint: Checkpoint, plan: Plan | None, options: LoadOptions) -> None:
         self._check_open()
         self._settle()
+        _transfer(options.transfer, self.device)  # refused before anything starts
         if self._broken is not None:
             raise LoadError(f"these slabs cannot be reused: {self._broken}")
         if self._state == "loading":
@@ -473,30 +486,42 @@ class SlabSet:
     ) -> SlabSet:
         plan = self._run_plan
         cuda = self.device.type == "cuda"
-        staged = cuda or options.cpu_staged
+        transfer = _transfer(options.transfer, self.device)
+        direct = transfer == "direct"
         read_size = (
-            options.staging_bytes // options.staging_buffers if staged else options.read_size
+            options.read_size if direct else options.staging_bytes // options.staging_buffers
         )
-        workers = options.staging_buffers if staged else options.io_workers
+        workers = options.io_workers if direct else options.staging_buffers
         # One thread per read in flight: a cold cache needs the reads in flight (two on two
         # cores left storage idle), and niced threads with short syscalls (see _read) leave
         # the event loop a core the moment it wakes.
         pool = IoPool(workers, nice=options.io_nice)
         fds: dict[int, int] = {}
+        mappings: Mappings | None = None
         loaded = False
         try:
             # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
-            key = (read_size, options.coalesce_gap)
+            key = (transfer, read_size, options.coalesce_gap)
             reads = self._read_plans.get(key)
-            if reads is None or (not staged and reads.scatters is None):
-                reads = await pool.run(self._plan_reads, reads, key, staged)
+            if reads is None:
+                reads = await pool.run(self._plan_reads, key)
                 self._read_plans[key] = reads
             sched = reads.schedule
             for i, shard in enumerate(plan.files):
                 fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
             paths = [str(shard.path) for shard in plan.files]  # for errors
-            if not staged:
+            copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
+            if direct:
                 read_one = self._direct_reads(reads, fds, paths)
+            elif transfer == "mapped":
+                try:
+                    mappings = Mappings(
+                        [fds[i] for i in range(len(paths))], [f.size for f in plan.files], paths
+                    )
+                except OSError as err:
+                    raise ReadError(f"cannot map the shards: {err.strerror or err}") from err
+                registry = CudaRegistry() if cuda else PopulateRegistry()
+                read_one = self._mapped_reads(reads, mappings, registry, copier, paths)
             else:
                 # Pinning blocks for long: each I/O thread pins its own buffer when it first
                 # reads (see _staging).
@@ -507,7 +532,6 @@ class SlabSet:
                 )
                 self._staging = staging
                 self._staging_budget = options.staging_bytes
-                copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
                 read_one = self._staged_reads(reads, fds, paths, staging, copier)
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -547,7 +571,7 @@ class SlabSet:
             try:
                 # All of the release, even if cancelled meanwhile (the cancel is re-raised
                 # after it): leaving early leaked the fds and the I/O threads.
-                await _uncancellable(self._release_load(pool, fds, options))
+                await _uncancellable(self._release_load(pool, fds, mappings, options))
             except asyncio.CancelledError:
                 if loaded:  # every unit had landed; the cancel came while releasing
                     self._finish("complete")
@@ -558,7 +582,11 @@ class SlabSet:
         return self
 
     async def _release_load(
-        self, pool: IoPool, fds: Mapping[int, int], options: LoadOptions
+        self,
+        pool: IoPool,
+        fds: Mapping[int, int],
+        mappings: Mappings | None,
+        options: LoadOptions,
     ) -> None:
         drained = await pool.drain(options.read_timeout)
         await pool.close(wait=drained)
@@ -566,14 +594,14 @@ class SlabSet:
         if staging is not None:
             self._staging_peak = staging.statistics().peak_in_use
         if drained:
-            _release(list(fds.values()), staging)
+            _release(list(fds.values()), staging, mappings)
         else:
-            # A read stuck in a thread still reads its fd and writes into these slabs (or a
-            # staging buffer) when it wakes: closing the fd now would let an unrelated open
-            # reuse its number, and aclose() would free the memory under it. Keep both until
-            # the last such read returns.
+            # A read stuck in a thread still reads its fd (or copies out of a mapping) and
+            # writes into these slabs (or a staging buffer) when it wakes: closing the fd now
+            # would let an unrelated open reuse its number, and aclose() would free the
+            # memory under it. Keep all of them until the last such read returns.
             keep = [self._backing, self._read_plans]
-            pool.when_idle(lambda: _release(list(fds.values()), staging, keep))
+            pool.when_idle(lambda: _release(list(fds.values()), staging, mappings, keep))
             self._broken = (
                 "a read thread did not return within read_timeout and may still write "
                 "into them; allocate a new SlabSet"
@@ -588,13 +616,17 @@ class SlabSet:
         else:
             self._tracker.fail(error)
 
-    def _plan_reads(self, known: _Reads | None, key: tuple[int, int], staged: bool) -> _Reads:
-        """Runs on an I/O thread: ``schedule()`` and, for direct reads, the destinations of
-        every read (the backing never moves while this SlabSet is open)."""
-        read_size, gap = key
+    def _plan_reads(self, key: tuple[Transfer, int, int]) -> _Reads:
+        """Runs on an I/O thread: the reads of a transfer and, for direct reads, the
+        destinations of every read (the backing never moves while this SlabSet is open)."""
+        transfer, read_size, gap = key
         plan = self._run_plan
-        sched = known.schedule if known else schedule(plan, max_read=read_size, gap=gap)
-        if staged:
+        if transfer == "mapped":
+            # Windows of whole pages: at least one page, else a multiple of pages.
+            window = max(PAGE, read_size - read_size % PAGE)
+            return _Reads(windows(plan, window=window))
+        sched = schedule(plan, max_read=read_size, gap=gap)
+        if transfer == "staged":
             return _Reads(sched)
         scratch = torch.empty(max(1, gap), dtype=torch.uint8)
         scatters = direct_scatters(
@@ -626,30 +658,63 @@ class SlabSet:
         """Reads into the thread's own staging buffer, then copies into the slabs; returns
         once the copies completed, so the thread's next read may overwrite the buffer."""
         ops = reads.schedule.ops
-        backing, route_base = self._backing, self._route_base
-        routes, device = self._run_plan.routes, self.device
+        copy = self._copy_named(copier, paths)
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
             with staging.use(worker) as buffer:
                 n = read_staged(fds[op.file], op, buffer, paths[op.file])
-                try:
-                    copier.copy(op, buffer, backing, route_base, worker)
-                except Exception as err:
-                    first = routes[op.pieces[0][0]]
-                    raise LoadError(
-                        f"copy to {device} of the read of {op.nbytes} bytes at offset "
-                        f"{op.offset} ({len(op.pieces)} pieces, the first for "
-                        f"{first.describe()}) failed: {(str(err).splitlines() or [repr(err)])[0]}",
-                        file=paths[op.file],
-                        tensor=first.tensor,
-                        offset=op.offset,
-                        slab=first.slab,
-                        slot=first.slot,
-                    ) from err
+                copy(op, buffer, worker)
             return n
 
         return read_one
+
+    def _mapped_reads(
+        self,
+        reads: _Reads,
+        mappings: Mappings,
+        registry: Registry,
+        copier: Copier,
+        paths: Sequence[str],
+    ) -> _ReadOne:
+        """Copies straight out of the mapped shards, each read's pages registered for the
+        time of its copies (see _mapped); returns once the copies completed."""
+        ops = reads.schedule.ops
+        copy = self._copy_named(copier, paths)
+
+        def read_one(worker: int, index: int) -> int:
+            op = ops[index]
+            return transfer(
+                op, mappings, registry, lambda o, src: copy(o, src, worker), paths[op.file]
+            )
+
+        return read_one
+
+    def _copy_named(
+        self, copier: Copier, paths: Sequence[str]
+    ) -> Callable[[ReadOp, torch.Tensor, int], None]:
+        """``copier.copy`` for one read's bytes in ``source``, a failure raised as a
+        :class:`LoadError` naming the read and its first tensor."""
+        backing, route_base = self._backing, self._route_base
+        routes, device = self._run_plan.routes, self.device
+
+        def copy(op: ReadOp, source: torch.Tensor, worker: int) -> None:
+            try:
+                copier.copy(op, source, backing, route_base, worker)
+            except Exception as err:
+                first = routes[op.pieces[0][0]]
+                raise LoadError(
+                    f"copy to {device} of the read of {op.nbytes} bytes at offset "
+                    f"{op.offset} ({len(op.pieces)} pieces, the first for "
+                    f"{first.describe()}) failed: {_first_line(err)}",
+                    file=paths[op.file],
+                    tensor=first.tensor,
+                    offset=op.offset,
+                    slab=first.slab,
+                    slot=first.slot,
+                ) from err
+
+        return copy
 
     async def _read_all(
         self,
@@ -724,6 +789,24 @@ class SlabSet:
 
 
 _ReadOne = Callable[[int, int], int]
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [repr(err)])[0]
+
+
+def _transfer(transfer: Transfer, device: torch.device) -> Transfer:
+    """The transfer a load onto ``device`` uses: ``auto`` resolved, ``direct`` refused for
+    a CUDA target (a read cannot land in device memory)."""
+    if transfer == "auto":
+        return "staged" if device.type == "cuda" else "direct"
+    if transfer == "direct" and device.type != "cpu":
+        raise LoadError(
+            f"transfer='direct' reads into host memory; {device} needs 'staged' or 'mapped'"
+        )
+    return transfer
+
+
 _yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
@@ -844,12 +927,20 @@ def _staging_buffer(size: int, pin: bool) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
 
-def _release(fds: Sequence[int], staging: StagingBuffers | None, *keep: object) -> None:
-    """Close a load's fds and drop its staging buffers (``keep``: kept alive until now)."""
+def _release(
+    fds: Sequence[int],
+    staging: StagingBuffers | None,
+    mappings: Mappings | None,
+    *keep: object,
+) -> None:
+    """Close a load's fds, drop its staging buffers, unmap its shards (``keep``: kept alive
+    until now)."""
     for fd in fds:
         os.close(fd)
     if staging is not None:
         staging.close()
+    if mappings is not None:
+        mappings.close()
 
 
 def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) -> int:

@@ -45,6 +45,14 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.Synthe
     return write_synthetic(tmp_path_factory.mktemp("moe"), SyntheticSpec())
 
 
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+    """~300 KB, three shards, experts straddling them: a load is dozens of small reads.
+    Read-only."""
+    spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    return write_synthetic(tmp_path_factory.mktemp("small"), spec)
+
+
 @pytest.fixture
 def fresh_moe(tmp_path: Path) -> asyncslab.SyntheticCheckpoint:
     """A checkpoint the test may damage."""

@@ -118,3 +118,63 @@ async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
     await slabs.load(ckpt, options=options)
     assert_bit_identical(slabs, ckpt)
     await slabs.aclose()
+
+
+# --- mapped: copies straight out of the page cache, pages registered with CUDA ---------------
+
+
+@pytest.mark.parametrize("window", [64 << 10, 32 << 20])
+async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, window: int
+) -> None:
+    # Small windows: hundreds of registrations, tensors cut at window edges, several
+    # registered at once by 4 threads; large ones: a shard whole in one registration.
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(transfer="mapped", staging_bytes=4 * window, staging_buffers=4)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    async with SlabSet(p, "cuda") as slabs:
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)
+        stats = slabs.statistics()
+        assert stats.staging_budget == 0
+        assert torch.cuda.max_memory_allocated() - base == torch.cuda.memory_allocated() - base
+        # Every registration was undone: registering the same pages again is accepted by
+        # CUDA (it refuses a page that is registered already), and a reload works.
+        slabs.reset()
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)
+
+
+async def test_cuda_mapped_failing_registration_names_the_file(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncslab import _mapped
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    real = _mapped.CudaRegistry.register
+    calls = 0
+
+    def failing(self: _mapped.CudaRegistry, address: int, nbytes: int) -> None:
+        nonlocal calls
+        calls += 1
+        real(self, address, nbytes)
+        if calls == 3:
+            try:  # a real CUDA refusal: these pages are registered already
+                real(self, address, nbytes)
+            finally:
+                self.unregister(address)  # as a refused registration leaves nothing behind
+
+    monkeypatch.setattr(_mapped.CudaRegistry, "register", failing)
+    options = LoadOptions(transfer="mapped", staging_bytes=4 * (64 << 10), staging_buffers=4)
+    async with SlabSet(p, "cuda") as slabs:
+        with pytest.raises(asyncslab.ReadError, match="CUDA error") as info:
+            await slabs.load(ckpt, options=options)
+        assert info.value.file in {str(f.path) for f in ckpt.files}
+        monkeypatch.undo()
+        slabs.reset()
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)

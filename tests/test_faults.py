@@ -54,7 +54,7 @@ SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_time
 # The same through the staging buffers and copies a GPU target uses (on the CPU here): the
 # same reads, by as many threads.
 SMALL_STAGED = LoadOptions(
-    cpu_staged=True,
+    transfer="staged",
     staging_bytes=3 * (4 << 10),
     staging_buffers=3,
     coalesce_gap=128,
@@ -64,13 +64,6 @@ PATHS = {"direct": SMALL, "staged": SMALL_STAGED}
 
 
 # --- fixtures and helpers ----------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
-    """~300 KB, three shards, experts straddling them. Read-only."""
-    spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
-    return write_synthetic(tmp_path_factory.mktemp("small"), spec)
 
 
 @pytest.fixture
@@ -406,7 +399,9 @@ def _count_reads(ckpt: Checkpoint, p: asyncslab.Plan, options: LoadOptions) -> i
     from asyncslab._schedule import schedule
 
     size = (
-        options.staging_bytes // options.staging_buffers if options.cpu_staged else options.read_size
+        options.staging_bytes // options.staging_buffers
+        if options.transfer == "staged"
+        else options.read_size
     )
     return len(schedule(p, max_read=size, gap=options.coalesce_gap).ops)
 
@@ -825,7 +820,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     monkeypatch.setattr(_loader, "_staging_buffer", tracked)
     options = LoadOptions(read_timeout=0.05, io_workers=2)
     if path == "staged":
-        options = replace(options, cpu_staged=True, staging_buffers=2, staging_bytes=2 << 16)
+        options = replace(options, transfer="staged", staging_buffers=2, staging_bytes=2 << 16)
     with pytest.raises(asyncslab.ReadTimeoutError):
         await slabs.load(ckpt, options=options)
     if path == "staged":

@@ -395,7 +395,7 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
     buffer move in chunks, and staging in use never exceeds the budget."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(cpu_staged=True, staging_bytes=3 * (16 << 10), staging_buffers=3)
+    options = LoadOptions(transfer="staged", staging_bytes=3 * (16 << 10), staging_buffers=3)
     assert max(r.nbytes for r in p.routes) > options.staging_bytes  # forces chunking
     slabs = await load(ckpt, p, options=options)
     assert_bit_identical(slabs, ckpt)
@@ -417,7 +417,7 @@ async def test_staged_reads_take_one_syscall_and_one_copy_call_each(
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(cpu_staged=True, staging_bytes=4 * (256 << 10), staging_buffers=4)
+    options = LoadOptions(transfer="staged", staging_bytes=4 * (256 << 10), staging_buffers=4)
     monkeypatch.setattr(read_module, "SYSCALL_BYTES", 4096)  # direct reads would cut here
     syscalls: list[int] = []
     raw = read_module._preadv_raw
@@ -464,7 +464,7 @@ async def test_staged_load_pins_one_buffer_per_thread_on_the_threads(
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(cpu_staged=True, staging_bytes=3 * (16 << 10), staging_buffers=3)
+    options = LoadOptions(transfer="staged", staging_bytes=3 * (16 << 10), staging_buffers=3)
     real = _loader._staging_buffer
     makers: list[str] = []
 
@@ -489,7 +489,7 @@ async def test_a_failing_staged_copy_fails_the_load_naming_the_read(
     behind and the next load into the same SlabSet works."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(cpu_staged=True, staging_bytes=3 * (16 << 10), staging_buffers=3)
+    options = LoadOptions(transfer="staged", staging_bytes=3 * (16 << 10), staging_buffers=3)
     real = copy_module.CpuCopier.copy
     calls = [0]
 
@@ -531,7 +531,7 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(cpu_staged=True, staging_bytes=4 * (64 << 10), staging_buffers=4)
+    options = LoadOptions(transfer="staged", staging_bytes=4 * (64 << 10), staging_buffers=4)
     real = _loader._staging_buffer
     made = [0]
 
@@ -580,7 +580,7 @@ async def test_paced_load_reports_progress_and_needed_bytes_at_once(
         options = LoadOptions(read_size=64 << 10, max_bytes_per_s=rate, progress_interval=0)
         if staged:  # the same reads through the staging buffers
             options = replace(
-                options, cpu_staged=True, staging_bytes=4 * (64 << 10), staging_buffers=4
+                options, transfer="staged", staging_bytes=4 * (64 << 10), staging_buffers=4
             )
         task = slabs.start(ckpt, options=options, progress=lambda s: seen.append(s.bytes_landed))
         assert slabs.statistics().bytes_needed == p.nbytes  # known before the task runs

@@ -1,0 +1,371 @@
+"""Mapped loads (``transfer="mapped"``) on the CPU: copies straight out of the mapped shards,
+each read's pages "registered" for the time of its copies.
+
+On a GPU registering pins the pages with CUDA, which refuses a page registered twice; here a
+recording registry stands in for it, checking what CUDA would refuse (a range overlapping
+one still registered, one not page-aligned) and that every registration is undone, whatever
+happens to the load. The CUDA registry itself is exercised in ``test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_bit_identical, open_fds
+from test_faults import (
+    CANCEL_MODES,
+    _cancel_somewhere,
+    assert_bit_exact,
+    wait_io_threads_gone,
+)
+
+import asyncslab
+from asyncslab import Checkpoint, LoadOptions, SlabSet, _loader, _mapped, plan
+from asyncslab._schedule import windows
+
+# Windows of two pages, three threads: hundreds of registrations per load, tensors cut at
+# window edges, several registered at once.
+MAPPED = LoadOptions(
+    transfer="mapped",
+    staging_bytes=3 * 2 * mmap.PAGESIZE,
+    staging_buffers=3,
+    read_timeout=10.0,
+)
+
+
+class RecordingRegistry(_mapped.PopulateRegistry):
+    """The CPU registry, checked as CUDA would check it and counted."""
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.live: dict[int, int] = {}
+        self.registered = 0
+        self.most_live = 0
+        self.errors: list[str] = []
+        self.delay = delay
+        self.fail_at = fail_at
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        with self.lock:
+            self.registered += 1
+            if self.fail_at is not None and self.registered == self.fail_at:
+                raise RuntimeError("cudaHostRegister(read-only) failed: injected (CUDA error 1)")
+            if address % mmap.PAGESIZE or nbytes % mmap.PAGESIZE or nbytes <= 0:
+                self.errors.append(f"unaligned range {address:#x}+{nbytes}")
+            for start, n in self.live.items():
+                if start < address + nbytes and address < start + n:
+                    self.errors.append(f"{address:#x}+{nbytes} overlaps {start:#x}+{n}")
+            self.live[address] = nbytes
+            self.most_live = max(self.most_live, len(self.live))
+        super().register(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        with self.lock:
+            if self.live.pop(address, None) is None:
+                self.errors.append(f"unregistered {address:#x}, never registered")
+
+
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingRegistry]:
+    reg = RecordingRegistry()
+    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: reg)
+    yield reg
+    assert reg.errors == []
+    assert reg.live == {}, "a registration was never undone"
+
+
+def mapped_shards(ckpt: Checkpoint) -> list[str]:
+    """Lines of this process's memory map that map one of ``ckpt``'s shards."""
+    paths = {str(f.path.resolve()) for f in ckpt.files}
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if line.rstrip().split(" ")[-1] in paths]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_mapped_load_is_bit_identical_and_leaves_nothing_mapped(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    fds = open_fds()
+    async with SlabSet(p) as slabs:
+        await slabs.load(ckpt, options=MAPPED)
+        assert assert_bit_identical(slabs, ckpt) == len(p.routes)
+        stats = slabs.statistics()
+        window = 2 * mmap.PAGESIZE
+        assert stats.reads == len(windows(p, window=window).ops) == registry.registered
+        assert stats.bytes_landed == p.nbytes
+        # No staging buffers: the bytes come from the page cache itself.
+        assert stats.staging_budget == 0
+        assert stats.staging_peak == 0
+        assert 1 < registry.most_live <= 3  # one window per thread at most
+        assert mapped_shards(ckpt) == []
+        assert open_fds() == fds
+        # Reload into the same memory: same pointers, same bytes.
+        pointer = slabs.slab(next(iter(p.slabs))).data_ptr()
+        slabs.reset()
+        await slabs.load(ckpt, options=MAPPED)
+        assert slabs.slab(next(iter(p.slabs))).data_ptr() == pointer
+        assert_bit_identical(slabs, ckpt)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_mapped_load_with_large_windows_reads_whole_shards(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry
+) -> None:
+    # The defaults: windows of 32 MiB hold a small shard whole.
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    slabs = await asyncslab.load(ckpt, plan(ckpt), options=LoadOptions(transfer="mapped"))
+    assert_bit_identical(slabs, ckpt)
+    assert registry.registered == len(ckpt.files)
+    await slabs.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    failing = RecordingRegistry(fail_at=5)
+    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: failing)
+    fds = open_fds()
+    async with SlabSet(p) as slabs:
+        with pytest.raises(asyncslab.ReadError) as info:
+            await slabs.load(ckpt, options=MAPPED)
+        err = info.value
+        assert re.search(r"cannot register the \d+ bytes at offset \d+ .*: .*injected", str(err))
+        assert err.file in {str(f.path) for f in ckpt.files}
+        assert isinstance(err.details["offset"], int)
+        assert isinstance(err.__cause__, RuntimeError)
+        assert slabs.state == "failed"
+        assert failing.live == {}
+        assert failing.errors == []
+        assert mapped_shards(ckpt) == []
+        assert open_fds() == fds
+        # Nothing half-loaded is handed out; a retry with a working registry succeeds.
+        with pytest.raises(asyncslab.IncompleteLoadError):
+            slabs.slab(next(iter(p.slabs)))
+        monkeypatch.setattr(_loader, "PopulateRegistry", RecordingRegistry)
+        slabs.reset()
+        await slabs.load(ckpt, options=MAPPED)
+        assert_bit_identical(slabs, ckpt)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_failing_mapped_copy_fails_the_load_and_undoes_its_registration(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    registry: RecordingRegistry,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    calls = 0
+    real = _loader.CpuCopier.copy
+
+    def failing(self: object, op, buffer, backing, route_base, stream_index):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 7:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(self, op, buffer, backing, route_base, stream_index)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_loader.CpuCopier, "copy", failing)
+    async with SlabSet(p) as slabs:
+        with pytest.raises(asyncslab.LoadError, match="illegal memory access") as info:
+            await slabs.load(ckpt, options=MAPPED)
+        err = info.value
+        assert err.tensor in {r.tensor for r in p.routes}
+        assert err.details["slab"] in p.slabs
+        assert isinstance(err.details["slot"], tuple)
+        assert err.file in {str(f.path) for f in ckpt.files}
+    assert mapped_shards(ckpt) == []  # and the fixture checks every registration was undone
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_mapped_cancel_at_random_points_leaks_nothing(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    paced = RecordingRegistry(delay=0.0002)  # a load takes ~10 ms: cancelled mid-way
+    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: paced)
+    rng = random.Random(20261130)
+    fds = open_fds()
+    slabs = SlabSet(p)
+    mid_load = 0
+    for cycle in range(21):
+        mode = CANCEL_MODES[cycle % len(CANCEL_MODES)]
+        await _cancel_somewhere(slabs, ckpt, rng, mode, MAPPED)
+        where = f"cycle {cycle} ({mode})"
+        # The load has returned: no registration left, nothing mapped, no fd, no thread.
+        assert paced.live == {}, where
+        assert mapped_shards(ckpt) == [], where
+        assert open_fds() == fds, where
+        assert await wait_io_threads_gone() == [], where
+        if mode == "aclose":
+            slabs = SlabSet(p)
+        else:
+            landed = slabs.statistics().tensors_landed
+            mid_load += 0 < landed < len(p.routes)
+        await slabs.load(ckpt, options=MAPPED)
+        assert_bit_exact(slabs, ckpt)
+    await slabs.aclose()
+    assert paced.errors == []
+    assert mid_load >= 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_it_returns(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A registration faults in pages from storage: it can hang like a read. The load gives
+    # up after read_timeout, but the thread still copies out of the mapping when it wakes:
+    # the mapping (and the slabs) must outlive it.
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    release = threading.Event()
+    woke: list[int] = []
+    stuck_at: list[int] = []
+
+    class Stuck(RecordingRegistry):
+        def register(self, address: int, nbytes: int) -> None:
+            super().register(address, nbytes)
+            with self.lock:
+                first = not stuck_at
+                if first:
+                    stuck_at.append(address)
+            if first:
+                release.wait(10)
+                # Reading the page now would kill the process had it been unmapped.
+                ctypes.c_ubyte.from_address(address).value  # noqa: B018
+                woke.append(address)
+
+    stuck = Stuck()
+    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: stuck)
+    slabs = SlabSet(plan(ckpt))
+    with pytest.raises(asyncslab.ReadTimeoutError):
+        await slabs.load(ckpt, options=replace(MAPPED, read_timeout=0.1))
+    assert mapped_shards(ckpt) != []  # kept for the stuck thread
+    await slabs.aclose()
+    release.set()
+    assert await wait_io_threads_gone(5.0) == []
+    assert len(woke) == 1
+    assert stuck.live == {}
+    assert mapped_shards(ckpt) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_mapped_loads_of_empty_and_tensorless_shards(tmp_path: Path) -> None:
+    # A shard with no tensor bytes is mapped but never registered; zero-size tensors land
+    # without a read.
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.arange(3000, dtype=torch.int32), "z": torch.empty(0)}
+    save_file(tensors, tmp_path / "x.safetensors")
+    save_file({"e": torch.empty(0, 4)}, tmp_path / "y.safetensors")
+    ckpt = Checkpoint.open(tmp_path)
+    slabs = await asyncslab.load(ckpt, plan(ckpt), options=MAPPED)
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()
+
+
+def test_populate_registry_reports_pages_past_a_truncated_end(tmp_path: Path) -> None:
+    path = tmp_path / "shard"
+    path.write_bytes(b"x" * (3 * mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        maps = _mapped.Mappings([fd], [3 * mmap.PAGESIZE], [str(path)])
+    finally:
+        os.close(fd)
+    try:
+        registry = _mapped.PopulateRegistry()
+        registry.register(maps.address(0), 3 * mmap.PAGESIZE)
+        os.truncate(path, mmap.PAGESIZE)
+        if registry._madvise is None:
+            pytest.skip("MADV_POPULATE_READ is not available on this kernel")
+        with pytest.raises(OSError, match="truncated") as info:
+            registry.register(maps.address(0), 3 * mmap.PAGESIZE)
+        assert info.value.errno == errno.EFAULT
+        assert "truncated" in str(info.value)
+    finally:
+        maps.close()
+
+
+def test_transfer_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="transfer must be one of"):
+        LoadOptions(transfer="zero-copy")  # type: ignore[arg-type]
+    with pytest.raises(asyncslab.LoadError, match="needs 'staged' or 'mapped'"):
+        _loader._transfer("direct", torch.device("cuda"))
+    assert _loader._transfer("auto", torch.device("cuda")) == "staged"
+    assert _loader._transfer("auto", torch.device("cpu")) == "direct"
+
+
+@pytest.mark.asyncio
+async def test_direct_transfer_onto_cuda_is_refused_before_anything_starts(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+    slabs.device = torch.device("cuda")  # only the check is exercised; nothing is allocated
+    with pytest.raises(asyncslab.LoadError, match="reads into host memory"):
+        await slabs.load(ckpt, options=LoadOptions(transfer="direct"))
+    assert slabs.state == "empty"
+    slabs.device = torch.device("cpu")
+    await slabs.aclose()
+
+
+class _FakeCudart:
+    """``torch.cuda.cudart()`` as the CUDA registry calls it: error codes, not exceptions."""
+
+    def __init__(self, register_code: int = 0, unregister_code: int = 0) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.codes = (register_code, unregister_code)
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:  # noqa: N802
+        self.calls.append(("register", address, size, flags))
+        return self.codes[0]
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", address))
+        return self.codes[1]
+
+    def cudaGetErrorString(self, code: int) -> str:  # noqa: N802
+        return {801: "operation not supported", 712: "part or all of the range is registered"}[code]
+
+
+def test_cuda_registry_registers_read_only_and_reports_cuda_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    registry = _mapped.CudaRegistry()
+    registry.register(0x10000, 8192)
+    registry.unregister(0x10000)
+    assert fake.calls == [("register", 0x10000, 8192, 8), ("unregister", 0x10000)]  # read-only
+    fake.codes = (801, 712)
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister\(read-only\) failed: operation not"):
+        registry.register(0x10000, 8192)
+    with pytest.raises(RuntimeError, match=r"cudaHostUnregister failed: .* \(CUDA error 712\)"):
+        registry.unregister(0x10000)
