@@ -206,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"CUDA copy streams (default {defaults.streams})",
     )
     load_p.add_argument(
+        "--transfer",
+        choices=("auto", "direct", "staged", "mapped"),
+        default=defaults.transfer,
+        help="how bytes reach the slabs: direct reads (cpu), staged through pinned buffers, "
+        "or mapped (copied straight out of the page cache; cuda, Linux); auto: direct on "
+        "cpu, staged on cuda (default)",
+    )
+    load_p.add_argument(
         "--staging-mb",
         type=_mib_arg,
         default=defaults.staging_bytes,
@@ -807,6 +815,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
         read_size=args.read_mb,
         staging_bytes=args.staging_mb,
         streams=args.streams,
+        transfer=args.transfer,
     )
     checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
     stats, verify = _run_load(

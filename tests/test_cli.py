@@ -223,6 +223,19 @@ def test_load_verify_json(
     assert "Traceback" not in err
 
 
+def test_load_mapped_verifies(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    report = tmp_path / "stats.json"
+    args = ["load", str(checkpoint.root), "--transfer", "mapped", "--verify", "--no-progress"]
+    assert main([*args, "--json", str(report)]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["options"]["transfer"] == "mapped"
+    assert doc["verify"]["ok"] is True
+    assert doc["staging_budget"] == 0
+    assert "OK: all" in capsys.readouterr().out
+
+
 def test_load_verify_mismatch_exits_1_naming_the_tensor(
     capsys: pytest.CaptureFixture[str],
     checkpoint: SyntheticCheckpoint,
@@ -337,6 +350,7 @@ def test_parse_size(text: str, expected: int) -> None:
         (["load", "x", "--io-workers", "0"], "--io-workers"),
         (["load", "x", "--staging-mb", "-1"], "--staging-mb"),
         (["load", "x", "--device", "tpu"], "--device"),
+        (["load", "x", "--transfer", "zero-copy"], "--transfer"),
         (["load", "x", "--rank", "-1"], "--rank"),
         (["inspect", "x", "--bogus"], "unrecognized arguments: --bogus"),
     ],
