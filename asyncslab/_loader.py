@@ -520,7 +520,7 @@ class SlabSet:
                     )
                 except OSError as err:
                     raise ReadError(f"cannot map the shards: {err.strerror or err}") from err
-                registry = CudaRegistry() if cuda else PopulateRegistry()
+                registry = CudaRegistry(self.device) if cuda else PopulateRegistry()
                 read_one = self._mapped_reads(reads, mappings, registry, copier, paths)
             else:
                 # Pinning blocks for long: each I/O thread pins its own buffer when it first

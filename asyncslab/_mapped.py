@@ -58,24 +58,30 @@ class Registry(Protocol):
     def unregister(self, address: int) -> None: ...
 
 
-#: ``cudaHostRegisterReadOnly``: the device only reads the pages, which lets CUDA pin a
-#: read-only mapping (CUDA 11.1+).
-_CUDA_HOST_REGISTER_READ_ONLY = 8
+#: ``cudaHostRegisterReadOnly`` (8): the device only reads the pages, which lets CUDA pin a
+#: read-only mapping (CUDA 11.1+); ``cudaHostRegisterPortable`` (1): pinned for every CUDA
+#: context, not only the current one of the I/O thread that registers them.
+_CUDA_HOST_REGISTER_FLAGS = 8 | 1
 
 
 class CudaRegistry:
-    """``cudaHostRegister(..., ReadOnly)``: pins the range's pages where they are, so a copy
-    from it is a DMA with no host copy. torch's binding releases the GIL for the call."""
+    """``cudaHostRegister(..., ReadOnly | Portable)``: pins the range's pages where they
+    are, so a copy from it is a DMA with no host copy. torch's binding releases the GIL for
+    the call."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        self._device = device
 
     def register(self, address: int, nbytes: int) -> None:
-        result = self._cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_READ_ONLY)
+        with torch.cuda.device(self._device):  # the target's context, not device 0's
+            result = self._cudart.cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_FLAGS)
         self._check(result, "cudaHostRegister(read-only)")
 
     def unregister(self, address: int) -> None:
-        self._check(self._cudart.cudaHostUnregister(address), "cudaHostUnregister")
+        with torch.cuda.device(self._device):
+            result = self._cudart.cudaHostUnregister(address)
+        self._check(result, "cudaHostUnregister")
 
     def _check(self, result: object, call: str) -> None:
         code = int(result)  # type: ignore[call-overload]

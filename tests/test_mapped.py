@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -360,10 +361,14 @@ def test_cuda_registry_registers_read_only_and_reports_cuda_errors(
 ) -> None:
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    registry = _mapped.CudaRegistry()
+    devices: list[object] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: devices.append(d) or nullcontext())
+    registry = _mapped.CudaRegistry(torch.device("cuda", 1))
     registry.register(0x10000, 8192)
     registry.unregister(0x10000)
-    assert fake.calls == [("register", 0x10000, 8192, 8), ("unregister", 0x10000)]  # read-only
+    # Read-only (8) and portable (1), with the target device current.
+    assert fake.calls == [("register", 0x10000, 8192, 9), ("unregister", 0x10000)]
+    assert devices == [torch.device("cuda", 1)] * 2
     fake.codes = (801, 712)
     with pytest.raises(RuntimeError, match=r"cudaHostRegister\(read-only\) failed: operation not"):
         registry.register(0x10000, 8192)
