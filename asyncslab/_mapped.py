@@ -84,6 +84,8 @@ class CudaRegistry:
         self._check(result, "cudaHostUnregister")
 
     def _check(self, result: object, call: str) -> None:
+        # A failed call is also kept as the calling thread's last CUDA error: an I/O
+        # thread's, which ends with the load, so no later launch of the server reports it.
         code = int(result)  # type: ignore[call-overload]
         if code == 0:
             return
