@@ -278,7 +278,9 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_mapped_loads_of_empty_and_tensorless_shards(tmp_path: Path) -> None:
+async def test_mapped_loads_of_empty_and_tensorless_shards(
+    tmp_path: Path, registry: RecordingRegistry
+) -> None:
     # A shard with no tensor bytes is mapped but never registered; zero-size tensors land
     # without a read.
     from safetensors.torch import save_file
@@ -287,8 +289,12 @@ async def test_mapped_loads_of_empty_and_tensorless_shards(tmp_path: Path) -> No
     save_file(tensors, tmp_path / "x.safetensors")
     save_file({"e": torch.empty(0, 4)}, tmp_path / "y.safetensors")
     ckpt = Checkpoint.open(tmp_path)
-    slabs = await asyncslab.load(ckpt, plan(ckpt), options=MAPPED)
+    p = plan(ckpt)
+    slabs = await asyncslab.load(ckpt, p, options=MAPPED)
     assert_bit_identical(slabs, ckpt)
+    ops = windows(p, window=2 * mmap.PAGESIZE).ops
+    assert {p.files[op.file].path.name for op in ops} == {"x.safetensors"}
+    assert registry.registered == len(ops) >= 1
     await slabs.aclose()
 
 
@@ -309,7 +315,6 @@ def test_populate_registry_reports_pages_past_a_truncated_end(tmp_path: Path) ->
         with pytest.raises(OSError, match="truncated") as info:
             registry.register(maps.address(0), 3 * mmap.PAGESIZE)
         assert info.value.errno == errno.EFAULT
-        assert "truncated" in str(info.value)
     finally:
         maps.close()
 
