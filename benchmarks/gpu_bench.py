@@ -19,10 +19,11 @@ What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 2
    that a thread reads into one while the other's copy is in flight;
 4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then
    ``--mapped-runs`` times with ``transfer='mapped'`` (each read's pages registered with CUDA
-   and copied from in place: no staging copy), then once per ``--streams`` value and per
-   ``--staging`` buffer count, then once more with the defaults (drift over the run); the
-   old path (every per-expert tensor moved to the device on its
-   own and kept, then ``torch.stack`` per slab on the device) ``--old-runs`` times;
+   and copied from in place: no staging copy) and once per ``--mapped-sweep`` threads x
+   window size, then once per ``--streams`` value and per ``--staging`` buffer count, then
+   once more with the defaults (drift over the run); the old path (every per-expert tensor
+   moved to the device on its own and kept, then ``torch.stack`` per slab on the device)
+   ``--old-runs`` times;
 5. last (a failed registration may leave an error in the CUDA runtime), unless
    ``--no-mapped``: the mapped DMA bound — every shard mapped read-only and registered with
    CUDA (its page cache pages pinned in place), tensors copied straight from the mappings,
@@ -71,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=3,
         help="asyncslab loads with transfer='mapped' (pages registered with CUDA; 0: skip)",
+    )
+    p.add_argument(
+        "--mapped-sweep",
+        default="8x128,16x32",
+        help="one mapped load per THREADSxWINDOW_MiB, comma-separated ('' to skip)",
     )
     p.add_argument("--streams", default="1,2,4,8", help="streams sweep (comma-separated)")
     p.add_argument(
@@ -362,17 +368,19 @@ def load_asyncslab(
     k: int,
     buffers: int | None = None,
     transfer: str = "auto",
+    buffer_bytes: int | None = None,
 ) -> dict[str, Any]:
     import asyncslab
 
     options = asyncslab.LoadOptions(transfer=transfer)
     if streams is not None:
         options = dataclasses.replace(options, streams=streams)
-    if buffers is not None:  # the default buffer size, more of them
-        size = options.staging_bytes // options.staging_buffers
-        options = dataclasses.replace(
-            options, staging_buffers=buffers, staging_bytes=buffers * size
-        )
+    if buffers is not None or buffer_bytes is not None:
+        # ``buffers`` threads with a buffer (a mapped read's window) of ``buffer_bytes``
+        # each; the defaults for whichever is not given.
+        size = buffer_bytes or options.staging_bytes // options.staging_buffers
+        count = buffers or options.staging_buffers
+        options = dataclasses.replace(options, staging_buffers=count, staging_bytes=count * size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -569,6 +577,23 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             break
         record(f"asyncslab mapped #{i + 1}", rec)
+    # Window size and threads: registering costs per call and per page, so the window sets
+    # how often the fixed part is paid, the threads how many registrations overlap copies.
+    for spec in [x for x in args.mapped_sweep.split(",") if x.strip()]:
+        if args.mapped_runs == 0 or "mapped_load_error" in report:
+            break
+        threads, mib = (int(v) for v in spec.lower().split("x"))
+        try:
+            rec = load_asyncslab(
+                torch, ckpt, plan, device, None, args.verify, buffers=threads,
+                transfer="mapped", buffer_bytes=mib * MiB,
+            )  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
+            report["mapped_load_error"] = f"{spec}: {type(err).__name__}: {err}"
+            _log(f"asyncslab mapped {spec} failed: {report['mapped_load_error']}")
+            torch.cuda.empty_cache()
+            break
+        record(f"asyncslab mapped {threads}x{mib} MiB", rec)
     for streams in [int(x) for x in args.streams.split(",") if x.strip()]:
         record(
             f"asyncslab streams={streams}",
