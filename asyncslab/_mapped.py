@@ -37,7 +37,15 @@ import torch
 from ._errors import ReadError
 from ._schedule import ReadOp
 
-__all__ = ["Mappings", "Registry", "CudaRegistry", "PopulateRegistry", "page_span"]
+__all__ = [
+    "PAGE",
+    "CudaRegistry",
+    "Mappings",
+    "PopulateRegistry",
+    "Registry",
+    "page_span",
+    "transfer",
+]
 
 PAGE = mmap.PAGESIZE
 
