@@ -1000,6 +1000,7 @@ def _bench_sized(
                 f"{il['p50']:.2f} ms, p99 {il['p99']:.2f} ms, max {il['max']:.2f} ms (this "
                 f"machine's own scheduling noise)"
             )
+        lines.extend(_longest_tick(asyncslab_records))
     lines.append("")
     lines.extend(_notes(summaries, runs_by_mode))
     explain = _explain(summaries, cold_check, runs_by_mode, args.io_workers)
@@ -1009,6 +1010,27 @@ def _bench_sized(
     lines.append("")
     lines.extend(_target_lines(targets))
     return lines, 0
+
+
+def _longest_tick(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the longest tick was, and the hypervisor's steal time during that load: on a
+    VM a tick can be long because the VM was not running at all."""
+    timed = [r for r in records if _ok(r) and r.get("lag_ms", {}).get("n")]
+    if not timed:
+        return []
+    worst = max(timed, key=lambda r: r["lag_ms"]["max"])
+    line = (
+        f"  longest tick {worst['lag_ms']['max']:.2f} ms, in asyncslab's {worst['mode']} process"
+        f" of run {worst['run']}"
+    )
+    steal = worst.get("steal_ms")
+    if steal is None:
+        return [line]
+    total = sum(r.get("steal_ms") or 0.0 for r in timed)
+    return [
+        f"{line}; the hypervisor took {steal:.0f} ms of CPU from this VM while it loaded"
+        f" (/proc/stat steal; during all asyncslab loads: {total:.0f} ms)"
+    ]
 
 
 def _notes(

@@ -62,6 +62,7 @@ def test_run_prints_every_contender(smoke: dict[str, Any]) -> None:
     assert "mode warm-fresh" in table
     assert "targets" in table
     assert "PASS" in table or "MISS" in table
+    assert "longest tick" in table
 
 
 def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> None:
@@ -80,6 +81,8 @@ def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> Non
     for name in ("old-path", "old-path-mmap", "direct-copy", "asyncslab", "bound-1", "bound-N"):
         assert measured[name]["verified"] > 0, name
     assert measured["asyncslab"]["lag_ms"]["n"] >= 0
+    if sys.platform.startswith("linux"):  # /proc/stat's steal, over the timed loads
+        assert measured["asyncslab"]["steal_ms"] >= 0
     for peer in _bench.PEERS:
         peer_recs = [r for r in records if r["contender"] == peer]
         if importlib.util.find_spec(_bench.PEERS[peer]) is None:
@@ -410,3 +413,24 @@ def test_run_in_threads_takes_each_job_once_and_raises_the_first_error() -> None
 
     with pytest.raises(OSError, match="read failed"):
         run_in_threads(range(100), 3, fail_at_7)
+
+
+def test_longest_tick_names_its_load_and_the_steal_during_it() -> None:
+    def rec(mode: str, run: int, lag_max: float, steal: float | None) -> dict[str, Any]:
+        r: dict[str, Any] = {"mode": mode, "run": run, "seconds": 1.0}
+        r["lag_ms"] = {"n": 100, "p50": 0.1, "p99": 1.0, "max": lag_max}
+        if steal is not None:
+            r["steal_ms"] = steal
+        return r
+
+    lines = _bench._longest_tick([rec("warm-fresh", 1, 9.0, 0.0), rec("cold", 3, 31.8, 40.0)])
+    assert lines == [
+        "  longest tick 31.80 ms, in asyncslab's cold process of run 3; the hypervisor took 40 ms"
+        " of CPU from this VM while it loaded (/proc/stat steal; during all asyncslab loads:"
+        " 40 ms)"
+    ]
+    # Where the kernel reports no steal, only where the tick was.
+    assert _bench._longest_tick([rec("cold", 2, 12.5, None)]) == [
+        "  longest tick 12.50 ms, in asyncslab's cold process of run 2"
+    ]
+    assert _bench._longest_tick([]) == []
