@@ -4,6 +4,7 @@ device. Skipped cleanly where CUDA is not available (see conftest)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -125,10 +126,31 @@ async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
 
 @pytest.mark.parametrize("window", [64 << 10, 32 << 20])
 async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, window: int
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small windows: hundreds of registrations, tensors cut at window edges, several
     # registered at once by 4 threads; large ones: a shard whole in one registration.
+    from asyncslab import _mapped
+
+    live: set[int] = set()
+    counts = [0, 0]
+    lock = threading.Lock()  # the I/O threads register concurrently
+    real_register, real_unregister = _mapped.CudaRegistry.register, _mapped.CudaRegistry.unregister
+
+    def register(self: _mapped.CudaRegistry, address: int, nbytes: int) -> None:
+        real_register(self, address, nbytes)  # CUDA itself refuses an overlap
+        with lock:
+            live.add(address)
+            counts[0] += 1
+
+    def unregister(self: _mapped.CudaRegistry, address: int) -> None:
+        real_unregister(self, address)
+        with lock:
+            live.discard(address)
+            counts[1] += 1
+
+    monkeypatch.setattr(_mapped.CudaRegistry, "register", register)
+    monkeypatch.setattr(_mapped.CudaRegistry, "unregister", unregister)
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = LoadOptions(transfer="mapped", staging_bytes=4 * window, staging_buffers=4)
@@ -138,14 +160,15 @@ async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
     async with SlabSet(p, "cuda") as slabs:
         await slabs.load(ckpt, options=options)
         assert_bit_identical(slabs, ckpt)
-        stats = slabs.statistics()
-        assert stats.staging_budget == 0
+        assert slabs.statistics().staging_budget == 0
+        # No transient device allocation: the peak is what stays, the slabs.
         assert torch.cuda.max_memory_allocated() - base == torch.cuda.memory_allocated() - base
-        # Every registration was undone: registering the same pages again is accepted by
-        # CUDA (it refuses a page that is registered already), and a reload works.
+        assert counts[0] == counts[1] == slabs.statistics().reads
+        assert live == set()  # every registration undone
         slabs.reset()
         await slabs.load(ckpt, options=options)
         assert_bit_identical(slabs, ckpt)
+        assert live == set()
 
 
 async def test_cuda_mapped_failing_registration_names_the_file(
