@@ -180,12 +180,15 @@ async def test_cuda_mapped_failing_registration_names_the_file(
     p = plan(ckpt)
     real = _mapped.CudaRegistry.register
     calls = 0
+    lock = threading.Lock()
 
     def failing(self: _mapped.CudaRegistry, address: int, nbytes: int) -> None:
         nonlocal calls
-        calls += 1
+        with lock:  # exactly one registration fails, whichever thread makes the third
+            calls += 1
+            third = calls == 3
         real(self, address, nbytes)
-        if calls == 3:
+        if third:
             try:  # a real CUDA refusal: these pages are registered already
                 real(self, address, nbytes)
             finally:
