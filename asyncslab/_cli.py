@@ -643,6 +643,8 @@ def _result_rows(
     share = f" ({stats.bytes_read / needed * 100:.1f}%)" if needed else ""
     if stats.staging_budget:
         staging = f"{format_bytes(stats.staging_peak)} of {format_bytes(stats.staging_budget)}"
+    elif stats.transfer == "mapped":
+        staging = "none (copied straight out of the page cache)"
     else:
         staging = "none (reads land in the slabs directly)"
     rows: list[list[Any]] = [

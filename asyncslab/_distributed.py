@@ -533,6 +533,7 @@ class _Session:
             if self.share:
                 hello["ranges"] = _pack(_needed_ranges(self.plan))
                 self.slabs._begin(self.checkpoint, self.plan, self.options)
+                self.slabs._transfer = "shared"  # bytes arrive in the group's chunks
                 for i, shard in enumerate(self.plan.files):
                     self.fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
         except Exception as err:

@@ -111,7 +111,9 @@ class LoadOptions:
 
 @dataclass(frozen=True, slots=True)
 class LoadStatistics:
-    """A snapshot of a load (live while it runs, final after)."""
+    """A snapshot of a load (live while it runs, final after). ``transfer``: how its bytes
+    reach the slabs (``"direct"``, ``"staged"`` or ``"mapped"``, ``"shared"`` for a
+    distributed load sharing reads; ``""`` before a load)."""
 
     state: State
     device: str
@@ -130,6 +132,7 @@ class LoadStatistics:
     staging_peak: int
     unit_completed_at: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None
+    transfer: str = ""
 
     @property
     def gbps(self) -> float:
@@ -305,6 +308,7 @@ class SlabSet:
                 if s.completed_at is not None
             },
             error=self._error,
+            transfer=self._transfer,
         )
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -419,6 +423,7 @@ class SlabSet:
         self._staging: StagingBuffers | None = None
         self._staging_budget = 0
         self._staging_peak = 0
+        self._transfer: str = ""
 
     def _check_open(self) -> None:
         if self._closed:
@@ -449,7 +454,7 @@ class SlabSet:
     def _begin(self, checkpoint: Checkpoint, plan: Plan | None, options: LoadOptions) -> None:
         self._check_open()
         self._settle()
-        _transfer(options.transfer, self.device)  # refused before anything starts
+        transfer = _transfer(options.transfer, self.device)  # refused before anything starts
         if self._broken is not None:
             raise LoadError(f"these slabs cannot be reused: {self._broken}")
         if self._state == "loading":
@@ -473,6 +478,7 @@ class SlabSet:
         self._state = "loading"
         self._error = None
         self._reset_counters()
+        self._transfer = transfer
         self._started = time.perf_counter()
         self._bytes_needed = sum(r.nbytes for r in plan.routes)
         self._tracker.reset()

@@ -233,7 +233,10 @@ def test_load_mapped_verifies(
     assert doc["options"]["transfer"] == "mapped"
     assert doc["verify"]["ok"] is True
     assert doc["staging_budget"] == 0
-    assert "OK: all" in capsys.readouterr().out
+    assert doc["transfer"] == "mapped"
+    out = capsys.readouterr().out
+    assert "OK: all" in out
+    assert "none (copied straight out of the page cache)" in out
 
 
 def test_load_verify_mismatch_exits_1_naming_the_tensor(

@@ -229,6 +229,7 @@ async def _load_and_verify(
             read=stats.bytes_read,
             landed=stats.bytes_landed,
             staging_budget=stats.staging_budget,
+            transfer=stats.transfer,
             fingerprint=plan.fingerprint,
             combined=result.fingerprint,
             reports=[
@@ -481,6 +482,7 @@ def _check_modes(results: list[dict[str, Any] | None], world: int) -> None:
             assert s["digest"] == o["digest"], mode
             assert s["needed"] == o["needed"], mode
             assert s["staging_budget"] <= 2 * (SHARE_CHUNK + 1)
+            assert (o["transfer"], s["transfer"]) == ("direct", "shared"), mode
         # Read once: the group reads the union of what its ranks need, each byte once.
         assert sum(s["read"] for s in share) == union, mode
         assert sum(o["read"] for o in own) == sum(o["needed"] for o in own), mode

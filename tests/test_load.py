@@ -50,6 +50,9 @@ async def test_tiered_moe_lands_bit_identical(moe_checkpoint: asyncslab.Syntheti
     # Reads never exceed what is needed by more than the coalescing slack.
     assert p.nbytes <= stats.bytes_read <= p.nbytes + SMALL.coalesce_gap * stats.reads
     assert stats.units_complete == len(p.units)
+    assert stats.transfer == "direct"  # "auto" on a CPU target
+    slabs.reset()
+    assert slabs.statistics().transfer == ""  # no load since
 
 
 async def test_default_options_and_experts_straddling_files(
@@ -400,6 +403,7 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
     slabs = await load(ckpt, p, options=options)
     assert_bit_identical(slabs, ckpt)
     stats = slabs.statistics()
+    assert stats.transfer == "staged"
     assert stats.staging_budget == options.staging_bytes
     assert 0 < stats.staging_peak <= options.staging_bytes
 

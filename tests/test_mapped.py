@@ -114,6 +114,7 @@ async def test_a_mapped_load_is_bit_identical_and_leaves_nothing_mapped(
         window = 2 * mmap.PAGESIZE
         assert stats.reads == len(windows(p, window=window).ops) == registry.registered
         assert stats.bytes_landed == p.nbytes
+        assert stats.transfer == "mapped"
         # No staging buffers: the bytes come from the page cache itself.
         assert stats.staging_budget == 0
         assert stats.staging_peak == 0
