@@ -20,6 +20,7 @@ from safetensors import safe_open
 import asyncslab
 from asyncslab import _bench
 from asyncslab._bench import CONTENDERS, write_many_small
+from asyncslab._schedule import windows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -190,7 +191,8 @@ class _NoCuda:
     class cuda:  # noqa: N801 - stands in for torch.cuda
         Stream = Event = staticmethod(lambda **_: _NoCuda.Sync())
         device = stream = staticmethod(lambda *_: contextlib.nullcontext())
-        synchronize = staticmethod(lambda *_: None)
+        synchronize = empty_cache = reset_peak_memory_stats = staticmethod(lambda *_: None)
+        memory_allocated = max_memory_allocated = max_memory_reserved = staticmethod(lambda *_: 0)
         cudart = staticmethod(lambda: _NoCuda.Runtime)
 
     class Runtime:
@@ -272,6 +274,30 @@ def test_gpu_bench_mapped_dma_bound_copies_from_the_mappings(
         assert [size for _, size, _ in runtime.registered] == [f.size for f in p.files]
         assert {flags for _, _, flags in runtime.registered} == {8}  # read-only
     assert sorted(runtime.unregistered) == sorted(a for a, _, _ in runtime.registered)
+
+
+@pytest.mark.parametrize(
+    ("transfer", "threads", "window"), [("auto", None, None), ("mapped", 3, 8 << 10)]
+)
+def test_gpu_bench_load_asyncslab_runs_each_transfer(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    transfer: str,
+    threads: int | None,
+    window: int | None,
+) -> None:
+    """The benchmark's asyncslab contender, on the CPU (its device calls stood in for): the
+    options it builds for a transfer, threads and window size load every tensor right."""
+    ckpt = asyncslab.Checkpoint.open(moe_checkpoint.root)
+    p = asyncslab.plan(ckpt)
+    rec = _gpu_bench().load_asyncslab(
+        _NoCuda, ckpt, p, "cpu", None, len(p.routes), buffers=threads, transfer=transfer,
+        buffer_bytes=window,
+    )  # fmt: skip
+    assert rec["verified"] == len(p.routes)
+    assert rec["transfer"] == transfer
+    assert rec["buffers"] == (threads or asyncslab.LoadOptions().staging_buffers)
+    if window is not None:  # one read per window of the shards' tensor bytes
+        assert rec["reads"] == len(windows(p, window=window).ops)
 
 
 def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
