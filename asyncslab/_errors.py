@@ -235,3 +235,9 @@ class ClosedError(AsyncSlabError, RuntimeError):
 
 class BindError(AsyncSlabError, ValueError):
     """Binding module parameters to slab views failed: unbound or mismatched parameters."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message (its repr when the message is empty): what an
+    error raised here quotes of the one it wraps."""
+    return (str(err).splitlines() or [repr(err)])[0]

@@ -30,6 +30,7 @@ from ._errors import (
     PlanError,
     ReadError,
     ReadTimeoutError,
+    first_line,
 )
 from ._format import Checkpoint
 from ._mapped import PAGE, CudaRegistry, Mappings, PopulateRegistry, Registry, transfer
@@ -192,7 +193,7 @@ class SlabSet:
         except RuntimeError as err:
             raise LoadError(
                 f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on {self.device}: "
-                f"{str(err).splitlines()[0]}"
+                f"{first_line(err)}"
             ) from err
         self._tensors: dict[str, torch.Tensor] = {}
         for name in empty:
@@ -204,7 +205,7 @@ class SlabSet:
             except (RuntimeError, TypeError) as err:
                 raise LoadError(
                     f"cannot make slab {name!r} of shape {list(spec.shape)} "
-                    f"({spec.dtype}): {str(err).splitlines()[0]}",
+                    f"({spec.dtype}): {first_line(err)}",
                     slab=name,
                 ) from err
         self._adopt(plan)
@@ -712,7 +713,7 @@ class SlabSet:
                 raise LoadError(
                     f"copy to {device} of the read of {op.nbytes} bytes at offset "
                     f"{op.offset} ({len(op.pieces)} pieces, the first for "
-                    f"{first.describe()}) failed: {_first_line(err)}",
+                    f"{first.describe()}) failed: {first_line(err)}",
                     file=paths[op.file],
                     tensor=first.tensor,
                     offset=op.offset,
@@ -795,10 +796,6 @@ class SlabSet:
 
 
 _ReadOne = Callable[[int, int], int]
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [repr(err)])[0]
 
 
 def _transfer(transfer: Transfer, device: torch.device) -> Transfer:

@@ -34,7 +34,7 @@ from typing import Protocol
 
 import torch
 
-from ._errors import ReadError
+from ._errors import ReadError, first_line
 from ._schedule import ReadOp
 
 __all__ = [
@@ -206,9 +206,8 @@ def _registering(
     try:
         call(*args)
     except (OSError, RuntimeError) as err:
-        text = (str(err).splitlines() or [repr(err)])[0]
         raise ReadError(
-            f"cannot {what} the {length} bytes at offset {start} for copies: {text}",
+            f"cannot {what} the {length} bytes at offset {start} for copies: {first_line(err)}",
             file=path,
             offset=start,
         ) from err
