@@ -92,14 +92,7 @@ def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
         pieces = [(index, 0, route.dst_offset, nbytes)]
     if pieces:
         per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-
-    ops = _interleave(per_file)
-    return Schedule(
-        ops=ops,
-        empty=tuple(empty),
-        bytes_needed=needed,
-        bytes_read=sum(op.nbytes for op in ops),
-    )
+    return _assemble(per_file, empty, needed)
 
 
 def windows(plan: Plan, *, window: int) -> Schedule:
@@ -143,6 +136,10 @@ def windows(plan: Plan, *, window: int) -> Schedule:
         stop = max(p[0] + p[3] for p in parts)
         pieces = tuple((route, at - start, dst, n) for at, route, dst, n in sorted(parts))
         per_file[f].append(ReadOp(f, start, stop - start, pieces))
+    return _assemble(per_file, empty, needed)
+
+
+def _assemble(per_file: Sequence[Sequence[ReadOp]], empty: list[int], needed: int) -> Schedule:
     ops = _interleave(per_file)
     return Schedule(
         ops=ops,
