@@ -566,34 +566,32 @@ def main(argv: list[str] | None = None) -> int:
             f"asyncslab (default) #{i + 1}",
             load_asyncslab(torch, ckpt, plan, device, None, args.verify),
         )
-    # Mapped: each read's pages registered with CUDA and copied from in place, no host copy.
-    # Where registration fails (read-only registration unsupported) the rest still runs.
-    for i in range(args.mapped_runs):
-        try:
-            rec = load_asyncslab(torch, ckpt, plan, device, None, args.verify, transfer="mapped")
-        except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
-            report["mapped_load_error"] = f"{type(err).__name__}: {err}"
-            _log(f"asyncslab mapped failed: {report['mapped_load_error']}")
-            torch.cuda.empty_cache()
-            break
-        record(f"asyncslab mapped #{i + 1}", rec)
-    # Window size and threads: registering costs per call and per page, so the window sets
-    # how often the fixed part is paid, the threads how many registrations overlap copies.
-    for spec in [x for x in args.mapped_sweep.split(",") if x.strip()]:
-        if args.mapped_runs == 0 or "mapped_load_error" in report:
-            break
-        threads, mib = (int(v) for v in spec.lower().split("x"))
+
+    def mapped(name: str, threads: int | None = None, window: int | None = None) -> bool:
+        """One mapped load, recorded as ``name``; False once one failed (read-only
+        registration unsupported, say): reported, and the rest of the run goes on."""
         try:
             rec = load_asyncslab(
                 torch, ckpt, plan, device, None, args.verify, buffers=threads,
-                transfer="mapped", buffer_bytes=mib * MiB,
+                transfer="mapped", buffer_bytes=window,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
-            report["mapped_load_error"] = f"{spec}: {type(err).__name__}: {err}"
-            _log(f"asyncslab mapped {spec} failed: {report['mapped_load_error']}")
+            report["mapped_load_error"] = f"{name}: {type(err).__name__}: {err}"
+            _log(f"{name} failed: {report['mapped_load_error']}")
             torch.cuda.empty_cache()
+            return False
+        record(name, rec)
+        return True
+
+    # Mapped: each read's pages registered with CUDA and copied from in place, no host copy.
+    ok = all(mapped(f"asyncslab mapped #{i + 1}") for i in range(args.mapped_runs))
+    # Window size and threads: registering costs per call and per page, so the window sets
+    # how often the fixed part is paid, the threads how many registrations overlap copies.
+    for spec in [x for x in args.mapped_sweep.split(",") if x.strip()]:
+        if not ok or args.mapped_runs == 0:
             break
-        record(f"asyncslab mapped {threads}x{mib} MiB", rec)
+        threads, mib = (int(v) for v in spec.lower().split("x"))
+        ok = mapped(f"asyncslab mapped {threads}x{mib} MiB", threads, mib * MiB)
     for streams in [int(x) for x in args.streams.split(",") if x.strip()]:
         record(
             f"asyncslab streams={streams}",
