@@ -438,6 +438,11 @@ class SlabSet:
         def settle(task: asyncio.Task[SlabSet]) -> None:
             if self._generation == generation:  # not a later load's
                 self._settle(task)
+            if self._task is task:
+                # A finished task's result is this SlabSet: held here, the pair is a cycle
+                # that only the garbage collector frees, and a dropped SlabSet would keep
+                # its slabs (VRAM on a GPU) until a collection that may come much later.
+                self._task = None
 
         # Wakes ready() waiters of a load whose task never ran; _settle() in the accessors
         # covers the moment between the task's end and this callback.

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -325,6 +327,35 @@ async def test_stalled_read_times_out_and_marks_slabs_unusable(
         if not io_threads():
             break
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
+async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+) -> None:
+    """A server that swaps models drops the old SlabSet and allocates the next: the old
+    slabs must go with the last reference, not with a collection that may come minutes
+    later (on a GPU, the next model's allocation would fail meanwhile)."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = replace(SMALL, transfer=transfer)  # type: ignore[arg-type]
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        loaded = await load(ckpt, p, options=options)
+        started = SlabSet(p)
+        task = started.start(ckpt, options=options)
+        assert await task is started
+        assert loaded.state == started.state == "complete"
+        backings = [weakref.ref(loaded._backing), weakref.ref(started._backing)]
+        del loaded, started, task
+        # The loop's handle that resumed this step still holds the task it awaited (and
+        # so its result) until the step ends.
+        await asyncio.sleep(0)
+        assert [b() for b in backings] == [None, None]
+    finally:
+        if enabled:
+            gc.enable()
 
 
 async def test_closed_slabset(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
