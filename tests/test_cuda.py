@@ -4,6 +4,7 @@ device. Skipped cleanly where CUDA is not available (see conftest)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -65,6 +66,29 @@ async def test_cuda_peak_memory_is_the_slabs(moe_checkpoint: asyncslab.Synthetic
     # rounding aside).
     assert peak <= p.nbytes + 512 * len(p.slabs)
     await slabs.aclose()
+
+
+@pytest.mark.parametrize("transfer", ["staged", "mapped"])
+async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+) -> None:
+    """A model swap: the old SlabSet dropped, its VRAM must be free for the next one."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        options = LoadOptions(transfer=transfer)  # type: ignore[arg-type]
+        slabs = await load(ckpt, p, device="cuda", options=options)
+        assert torch.cuda.memory_allocated() >= base + p.nbytes
+        del slabs
+        await asyncio.sleep(0)  # the handle that resumed this step holds the load's task
+        assert torch.cuda.memory_allocated() == base
+    finally:
+        if enabled:
+            gc.enable()
 
 
 async def test_cuda_cancel_releases_staging_and_retry_succeeds(
