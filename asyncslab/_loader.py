@@ -35,7 +35,7 @@ from ._errors import (
 from ._format import Checkpoint
 from ._mapped import PAGE, CudaRegistry, Mappings, PopulateRegistry, Registry, transfer
 from ._plan import Plan
-from ._read import IoPool, ReadFeed, Scatter
+from ._read import IoPool, ReadFeed, Scatter, retrieve
 from ._schedule import ReadOp, Schedule, schedule, windows
 from ._staging import StagingBuffers
 from ._tracker import Tracker
@@ -280,7 +280,11 @@ class SlabSet:
         for u in units:
             if self._state != "loading":
                 self._tracker.check(u)
-            await self._tracker.wait(u)
+            try:
+                await self._tracker.wait(u)
+            except IncompleteLoadError as err:
+                self._delivered(err.__cause__)
+                raise
 
     def statistics(self) -> LoadStatistics:
         self._settle()
@@ -438,16 +442,26 @@ class SlabSet:
         def settle(task: asyncio.Task[SlabSet]) -> None:
             if self._generation == generation:  # not a later load's
                 self._settle(task)
-            if self._task is task:
+            if self._task is task and self._state == "complete":
                 # A finished task's result is this SlabSet: held here, the pair is a cycle
                 # that only the garbage collector frees, and a dropped SlabSet would keep
                 # its slabs (VRAM on a GPU) until a collection that may come much later.
+                # (A failed load's task stays: ready() marks its error as delivered.)
                 self._task = None
 
         # Wakes ready() waiters of a load whose task never ran; _settle() in the accessors
         # covers the moment between the task's end and this callback.
         task.add_done_callback(settle)
         return task
+
+    def _delivered(self, error: BaseException | None) -> None:
+        """A caller of ready() got the load's error as its cause: asyncio need not log the
+        task's exception as never retrieved (a server using start() and ready() saw every
+        failure twice, the second time as if it had gone unnoticed)."""
+        task = self._task
+        if error is not None and task is not None:
+            # Its task may still be releasing threads and files: mark it when it ends.
+            task.add_done_callback(retrieve)
 
     def _settle(self, task: asyncio.Task[SlabSet] | None = None) -> None:
         """End a load whose task is done but never ran: cancelled before its first step, it

@@ -39,6 +39,7 @@ __all__ = [
     "scatter",
     "pread_scatter",
     "byte_view",
+    "retrieve",
 ]
 
 T = TypeVar("T")
@@ -235,7 +236,9 @@ def byte_view(address: int, nbytes: int) -> memoryview:
 _Job = tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
 
-def _retrieve(future: asyncio.Future[Any]) -> None:
+def retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a finished future's exception as seen (its error is reported elsewhere), so that
+    asyncio does not log it as never retrieved."""
     if not future.cancelled():
         future.exception()
 
@@ -308,7 +311,7 @@ class IoPool:
         for waiter in waiters:
             # Their errors are consequences of the one the load reports; retrieve them so
             # asyncio does not print "exception was never retrieved" at exit.
-            waiter.add_done_callback(_retrieve)
+            waiter.add_done_callback(retrieve)
         _, still = await asyncio.wait(waiters, timeout=limit)
         return not still
 

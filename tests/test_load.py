@@ -211,6 +211,41 @@ async def test_ready_waits_for_a_background_load(moe_checkpoint: asyncslab.Synth
         assert await task is slabs
 
 
+@pytest.mark.parametrize("observed", [True, False])
+async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, observed: bool
+) -> None:
+    """A server that starts a load and awaits ready() gets the failure there; asyncio must
+    not log it again, as unseen, when the task goes. A failure nobody looked at still is."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        slabs = SlabSet(plan(ckpt))
+
+        def broken(_: asyncslab.LoadStatistics) -> None:
+            raise RuntimeError("progress display broke")
+
+        task = slabs.start(ckpt, options=SMALL, progress=broken)
+        if observed:
+            with pytest.raises(asyncslab.IncompleteLoadError, match="load failed") as info:
+                await slabs.ready()
+            assert isinstance(info.value.__cause__, asyncslab.LoadError)
+            del info  # its traceback would keep the task alive past the test
+        await asyncio.wait([task])  # its end, without retrieving its exception
+        assert slabs.state == "failed"
+        del slabs, task
+        await asyncio.sleep(0)
+        gc.collect()  # a failed load's tracebacks hold frames: cycles
+    finally:
+        loop.set_exception_handler(previous)
+    never = [c for c in logged if "never retrieved" in c.get("message", "")]
+    assert len(never) == (0 if observed else 1)
+    assert not [c for c in logged if c not in never]
+
+
 async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
