@@ -535,7 +535,13 @@ class _Session:
                 self.slabs._begin(self.checkpoint, self.plan, self.options)
                 self.slabs._transfer = "shared"  # bytes arrive in the group's chunks
                 for i, shard in enumerate(self.plan.files):
-                    self.fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
+                    self.fds[i] = _open_checked(
+                        shard.path,
+                        shard.size,
+                        shard.inode,
+                        shard.mtime_ns,
+                        shards=len(self.plan.files),
+                    )
         except Exception as err:
             self.local_error = err
             hello["error"] = _describe(err)

@@ -11,6 +11,7 @@ cancelled, after waiting for reads already inside a thread.
 from __future__ import annotations
 
 import asyncio
+import errno
 import operator
 import os
 import time
@@ -534,7 +535,9 @@ class SlabSet:
                 self._read_plans[key] = reads
             sched = reads.schedule
             for i, shard in enumerate(plan.files):
-                fds[i] = _open_checked(shard.path, shard.size, shard.inode, shard.mtime_ns)
+                fds[i] = _open_checked(
+                    shard.path, shard.size, shard.inode, shard.mtime_ns, shards=len(plan.files)
+                )
             paths = [str(shard.path) for shard in plan.files]  # for errors
             copier = CudaCopier(self.device, options.streams) if cuda else CpuCopier()
             if direct:
@@ -965,13 +968,32 @@ def _release(
         mappings.close()
 
 
-def _open_checked(path: os.PathLike[str], size: int, inode: int, mtime_ns: int) -> int:
+def _open_file_limit() -> str:
+    try:
+        import resource  # Unix only
+    except ImportError:  # pragma: no cover - Windows
+        return "a limited number of"
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return "any number of" if soft == resource.RLIM_INFINITY else str(soft)
+
+
+def _open_checked(
+    path: os.PathLike[str], size: int, inode: int, mtime_ns: int, *, shards: int
+) -> int:
+    """Open one of a load's ``shards`` files, refusing one that changed since planning."""
     try:
         # O_NONBLOCK: a FIFO put in the file's place after planning would otherwise block
         # this open, on the event-loop thread, until a writer comes.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
-        raise ReadError(f"cannot open: {err.strerror or err}", file=path) from err
+        why = err.strerror or str(err)
+        if err.errno == errno.EMFILE:
+            why += (
+                f" (a load keeps all {shards} shard files of its plan open; "
+                f"this process may have {_open_file_limit()} files open: raise that limit, "
+                "RLIMIT_NOFILE, e.g. with `ulimit -n`)"
+            )
+        raise ReadError(f"cannot open: {why}", file=path) from err
     st = os.fstat(fd)
     if (st.st_size, st.st_ino, st.st_mtime_ns) != (size, inode, mtime_ns):
         os.close(fd)

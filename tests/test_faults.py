@@ -221,8 +221,8 @@ async def test_truncated_between_stat_check_and_read(
     }[keep]
     original = _loader._open_checked
 
-    def open_then_truncate(path: os.PathLike[str], *args: Any) -> int:
-        fd = original(path, *args)  # the size/inode/mtime check passed
+    def open_then_truncate(path: os.PathLike[str], *args: Any, **kwargs: Any) -> int:
+        fd = original(path, *args, **kwargs)  # the size/inode/mtime check passed
         if Path(path) == victim.path:
             os.truncate(path, size)
         return fd
@@ -291,8 +291,8 @@ async def test_file_unlinked_after_open_still_loads(
     p = plan(ckpt)
     original = _loader._open_checked
 
-    def open_then_unlink(path: os.PathLike[str], *args: Any) -> int:
-        fd = original(path, *args)
+    def open_then_unlink(path: os.PathLike[str], *args: Any, **kwargs: Any) -> int:
+        fd = original(path, *args, **kwargs)
         os.unlink(path)
         return fd
 

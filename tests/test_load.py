@@ -275,6 +275,42 @@ async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     await slabs.aclose()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_NOFILE, /proc")
+async def test_too_many_shards_for_the_open_file_limit_is_a_clear_error(tmp_path: Path) -> None:
+    """A load holds every shard open; past the process's limit the error says so, names
+    the count and the limit, leaks no fd, and the same load succeeds once the limit allows."""
+    import resource
+
+    shards = 40
+    for i in range(shards):
+        tensor = torch.full((4, 4), float(i), dtype=torch.float16)
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        save_file({name: tensor}, str(tmp_path / f"model-{i:05d}-of-{shards:05d}.safetensors"))
+    ckpt = Checkpoint.open(tmp_path)
+    p = plan(ckpt)
+    slabs = SlabSet(p)
+    before = open_fds()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    limit = before + shards // 2
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    try:
+        with pytest.raises(asyncslab.ReadError) as info:
+            await slabs.load(ckpt)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    message = str(info.value)
+    assert "Too many open files" in message
+    assert f"keeps all {shards} shard files" in message
+    assert f"may have {limit} files open" in message
+    assert info.value.file is not None
+    assert Path(info.value.file).parent == tmp_path
+    assert slabs.state == "failed"
+    assert open_fds() == before
+    await slabs.load(ckpt)
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()
+
+
 async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
