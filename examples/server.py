@@ -97,7 +97,9 @@ class Service:
             checkpoint, p = await asyncio.to_thread(self._open_and_plan)
             layer = self._choose_layer(p)
             self.block = TieredMoEBlock.from_plan(p, layer)
-            slabs = SlabSet(p, self.device)
+            # On a GPU the first CUDA call of the process initialises CUDA, and the slabs'
+            # one allocation reserves their whole size: off the loop as well.
+            slabs = await asyncio.to_thread(SlabSet, p, self.device)
             task = slabs.start(checkpoint, options=self.options, on_unit_ready=self._on_unit_ready)
         except Exception as err:  # anything: /health reports it (500) instead of a crash
             self.error = f"{type(err).__name__}: {err}"
