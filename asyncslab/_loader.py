@@ -343,7 +343,7 @@ class SlabSet:
         :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
         options = options or LoadOptions()
         self._begin(checkpoint, plan, options)
-        return self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
+        return self._spawn(self._run(checkpoint, options, on_unit_ready, progress, self._task))
 
     async def load(
         self,
@@ -361,7 +361,7 @@ class SlabSet:
         self._begin(checkpoint, plan, options)
         # A task of its own, so that aclose() can cancel this load and wait for its drain
         # (freeing the slabs under running reads would be a use-after-free).
-        task = self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
+        task = self._spawn(self._run(checkpoint, options, on_unit_ready, progress, self._task))
         try:
             return await task
         except asyncio.CancelledError:
@@ -455,6 +455,16 @@ class SlabSet:
         task.add_done_callback(settle)
         return task
 
+    async def _after(self, previous: asyncio.Task[SlabSet] | None) -> None:
+        """Wait for the load before this one to end. A failed or cancelled load is
+        ``failed``/``cancelled`` (and a ready() caller may start the next) while its task
+        still drains its threads: for up to ``read_timeout``, a stuck read may still write
+        into the slabs, and only at the end of the drain is the SlabSet marked unusable.
+        Waited for even if cancelled meanwhile: aclose() must not free the slabs under
+        that read."""
+        if previous is not None and not previous.done():
+            await _uncancellable(asyncio.wait([previous]))
+
     def _delivered(self, error: BaseException | None) -> None:
         """A caller of ready() got the load's error as its cause: asyncio need not log the
         task's exception as never retrieved (a server using start() and ready() saw every
@@ -495,6 +505,10 @@ class SlabSet:
             )
         if plan is not self._run_plan:
             self._adopt(plan)
+        if self._task is not None and self._task.done():
+            # An earlier load's: _settle() must not take it for this one's (a distributed
+            # load sharing reads runs without a task of its own).
+            self._task = None
         self._generation += 1
         self._state = "loading"
         self._error = None
@@ -510,8 +524,11 @@ class SlabSet:
         options: LoadOptions,
         on_unit_ready: UnitCallback | None,
         progress: ProgressCallback | None,
+        previous: asyncio.Task[SlabSet] | None,
     ) -> SlabSet:
         plan = self._run_plan
+        generation = self._generation
+        read_plans = self._read_plans  # a later plan's _adopt() replaces them
         cuda = self.device.type == "cuda"
         transfer = _transfer(options.transfer, self.device)
         direct = transfer == "direct"
@@ -525,8 +542,12 @@ class SlabSet:
         pool = IoPool(workers, nice=options.io_nice)
         fds: dict[int, int] = {}
         mappings: Mappings | None = None
+        staging: StagingBuffers | None = None
         loaded = False
         try:
+            await self._after(previous)
+            if self._broken is not None:  # found by the previous load's release
+                raise LoadError(f"these slabs cannot be reused: {self._broken}")
             # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
             key = (transfer, read_size, options.coalesce_gap)
             reads = self._read_plans.get(key)
@@ -600,7 +621,11 @@ class SlabSet:
             try:
                 # All of the release, even if cancelled meanwhile (the cancel is re-raised
                 # after it): leaving early leaked the fds and the I/O threads.
-                await _uncancellable(self._release_load(pool, fds, mappings, options))
+                await _uncancellable(
+                    self._release_load(
+                        pool, fds, mappings, staging, options, generation, read_plans
+                    )
+                )
             except asyncio.CancelledError:
                 if loaded:  # every unit had landed; the cancel came while releasing
                     self._finish("complete")
@@ -615,12 +640,15 @@ class SlabSet:
         pool: IoPool,
         fds: Mapping[int, int],
         mappings: Mappings | None,
+        staging: StagingBuffers | None,
         options: LoadOptions,
+        generation: int,
+        read_plans: dict[tuple[Transfer, int, int], _Reads],
     ) -> None:
         drained = await pool.drain(options.read_timeout)
         await pool.close(wait=drained)
-        staging, self._staging = self._staging, None
-        if staging is not None:
+        if staging is not None and self._generation == generation:  # no later load began
+            self._staging = None
             self._staging_peak = staging.statistics().peak_in_use
         if drained:
             _release(list(fds.values()), staging, mappings)
@@ -629,7 +657,7 @@ class SlabSet:
             # writes into these slabs (or a staging buffer) when it wakes: closing the fd now
             # would let an unrelated open reuse its number, and aclose() would free the
             # memory under it. Keep all of them until the last such read returns.
-            keep = [self._backing, self._read_plans]
+            keep = [self._backing, read_plans]
             pool.when_idle(lambda: _release(list(fds.values()), staging, mappings, keep))
             self._broken = (
                 "a read thread did not return within read_timeout and may still write "

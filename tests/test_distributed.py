@@ -269,6 +269,24 @@ async def _all_modes(rank: int, world: int, root: Path, result: dict[str, Any]) 
             "digest": _verify(again.slabs, ckpt)["digest"],
             "state": again.slabs.state,
         }
+    # A shared load into slabs whose own last load failed: that load's finished task must
+    # not be taken for the shared load's (which has none), or the slabs read "cancelled".
+    failed = asyncslab.SlabSet(plan)
+
+    def broken(_: asyncslab.LoadStatistics) -> None:
+        raise RuntimeError("progress display broke")
+
+    try:
+        await failed.load(ckpt, progress=broken)
+    except LoadError:
+        pass
+    states = [failed.state]
+    shared = await distributed.load(
+        ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK, into=failed
+    )
+    states.append(shared.slabs.state)
+    result["after_failed"] = {"states": states, "digest": _verify(shared.slabs, ckpt)["digest"]}
+    await failed.aclose()
     result["loads"] = loads
     result["total"] = {
         "whole": Checkpoint.open(root / "whole").total_bytes,
@@ -465,6 +483,8 @@ def _check_modes(results: list[dict[str, Any] | None], world: int) -> None:
         assert r["into"]["state"] == "complete"
         assert r["into"]["pointers_kept"]
         assert r["into"]["digest"] == r["loads"]["replicated/own"]["digest"]
+        assert r["after_failed"]["states"] == ["failed", "complete"]
+        assert r["after_failed"]["digest"] == r["loads"]["replicated/own"]["digest"]
     combined = {key: got["combined"] for key, got in ranks[0]["loads"].items()}
     for mode in ("replicated", *SLICED_MODES):
         assert combined[f"{mode}/own"] == combined[f"{mode}/share"]

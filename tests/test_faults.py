@@ -781,6 +781,47 @@ async def test_second_load_into_the_same_slabset_is_refused(
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", PATHS)
+async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_beside_it(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    fake_os: Callable[..., FakeOs],
+    path: str,
+) -> None:
+    # ready() raises as soon as a read passes read_timeout, while the load's task still
+    # drains its threads (for up to read_timeout more) and only then marks the SlabSet
+    # unusable. A server retrying at once must not get a load running beside the stuck
+    # read, which writes into the slabs when it wakes: the retry waits for the drain and
+    # is refused, as every later load of these slabs is.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    release = threading.Event()
+
+    def stuck(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        release.wait(10)
+        return os.preadv(fd, buffers, offset)
+
+    fake = fake_os(stuck)
+    slabs = SlabSet(plan(ckpt))
+    options = replace(PATHS[path], read_timeout=0.2)
+    first = slabs.start(ckpt, options=options)
+    with pytest.raises(asyncslab.IncompleteLoadError) as info:
+        await slabs.ready()
+    assert isinstance(info.value.__cause__, asyncslab.ReadTimeoutError)
+    del info
+    assert not first.done()  # still draining
+    slabs.reset()
+    with pytest.raises(asyncslab.LoadError, match="cannot be reused") as refused:
+        await slabs.load(ckpt, options=options)
+    assert not isinstance(refused.value, asyncslab.ReadTimeoutError)  # it read nothing
+    assert first.done()
+    assert fake.in_flight > 0  # the stuck reads are still out
+    await slabs.aclose()
+    release.set()
+    assert await wait_io_threads_gone(5.0) == []
+    assert fake.in_flight == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", PATHS)
 async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     small_checkpoint: asyncslab.SyntheticCheckpoint,
     fake_os: Callable[..., FakeOs],
