@@ -9,6 +9,7 @@ All methods run on the event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +40,10 @@ class Tracker:
         for unit in self._route_unit:
             self._unit_total[unit] += 1
         self._on_complete: Callable[[str], None] | None = None
-        self._events: dict[str, asyncio.Event] = {}
+        # One future per waiting call, made in the waiter's loop: an Event would bind to the
+        # first loop that waited on it, and a SlabSet reused under another loop (a second
+        # asyncio.run) would then fail every ready() with "bound to a different event loop".
+        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._error: BaseException | None = None
         self.reset()
 
@@ -51,9 +55,7 @@ class Tracker:
         self._completed_at: dict[str, float] = {}
         self._started = time.perf_counter()
         self._error = None
-        # Waiters keep their events across a reset: they wait for the next completion.
-        for event in self._events.values():
-            event.clear()
+        # Waiters stay across a reset: they wait for the next completion.
 
     def begin(self, on_complete: Callable[[str], None] | None) -> None:
         """Start counting a load (after :meth:`reset`); units without routes complete now."""
@@ -65,8 +67,8 @@ class Tracker:
     def fail(self, error: BaseException) -> None:
         """The load broke: wake every waiter with ``error`` (units stay incomplete)."""
         self._error = error
-        for event in self._events.values():
-            event.set()
+        for unit in list(self._waiters):
+            self._wake(unit)
         self._on_complete = None
 
     def finish(self) -> None:
@@ -90,11 +92,15 @@ class Tracker:
 
     def _complete(self, unit: str) -> None:
         self._completed_at[unit] = time.perf_counter() - self._started
-        event = self._events.get(unit)
-        if event is not None:
-            event.set()
+        self._wake(unit)
         if self._on_complete is not None:
             self._on_complete(unit)
+
+    def _wake(self, unit: str) -> None:
+        for waiter in self._waiters.pop(unit, ()):
+            # Done: its caller was cancelled. Closed loop: nobody is left to wake.
+            if not waiter.done() and not waiter.get_loop().is_closed():
+                waiter.set_result(None)
 
     def is_complete(self, unit: str) -> bool:
         return unit in self._completed_at
@@ -140,8 +146,16 @@ class Tracker:
         if self.is_complete(unit):
             return
         if self._error is None:
-            event = self._events.setdefault(unit, asyncio.Event())
-            await event.wait()
+            waiter = asyncio.get_running_loop().create_future()
+            waiters = self._waiters.setdefault(unit, [])
+            waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if not waiter.done() or waiter.cancelled():
+                    # Cancelled: not left behind for every later wait to step over.
+                    with contextlib.suppress(ValueError):
+                        waiters.remove(waiter)
         if not self.is_complete(unit):
             raise IncompleteLoadError(
                 f"unit {unit!r} will not complete: the load failed", unit=unit

@@ -246,6 +246,42 @@ async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
     assert not [c for c in logged if c not in never]
 
 
+async def test_a_slabset_loads_under_one_event_loop_after_another(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """A synchronous caller runs each step in an asyncio.run of its own: the SlabSet, and
+    ready() waiting in each, must not stay bound to the first loop."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+
+    async def step() -> None:
+        task = slabs.start(ckpt, options=SMALL)
+        await slabs.ready()  # before the load's first step: it waits
+        assert await task is slabs
+
+    factories: list[Any] = [asyncio.new_event_loop]
+    try:
+        import uvloop
+
+        factories.append(uvloop.new_event_loop)
+    except ImportError:  # pragma: no cover
+        pass
+
+    def one_loop_after_another() -> list[str]:
+        states = []
+        for factory in [*factories, *factories]:
+            if slabs.state != "empty":
+                slabs.reset()
+            with asyncio.Runner(loop_factory=factory) as runner:
+                runner.run(step())
+            states.append(slabs.state)
+        return states
+
+    # In a thread of its own: asyncio.Runner needs a thread without a running loop.
+    assert await asyncio.to_thread(one_loop_after_another) == ["complete"] * 2 * len(factories)
+    assert_bit_identical(slabs, ckpt)
+
+
 async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
