@@ -212,6 +212,11 @@ class SlabSet:
         self._adopt(plan)
         self._state: State = "empty"
         self._task: asyncio.Task[SlabSet] | None = None
+        # Every load task not yet ended (a failed one still drains its threads while the next
+        # may have begun), and the unit callbacks running: aclose() waits for the former and
+        # must not be awaited from the latter.
+        self._live: set[asyncio.Task[SlabSet]] = set()
+        self._callbacks: set[asyncio.Task[None]] = set()
         self._broken: str | None = None
         self._closed = False
         self._closing = False
@@ -266,26 +271,50 @@ class SlabSet:
 
     def view(self, tensor: str) -> torch.Tensor:
         """The view a checkpoint tensor landed in (its shape and dtype)."""
-        location = self.plan.where(tensor)
+        location = self._run_plan.where(tensor)  # the last load's plan: its tensors
         return self.slot(location.slab, location.slot)
 
     async def ready(self, unit: str | None = None) -> None:
-        """Wait until ``unit`` (default: every unit) is complete.
+        """Wait until ``unit`` is complete; without one, until the load has ended with every
+        unit complete (its threads and files released: a reload may start at once).
 
         Raises :class:`IncompleteLoadError` if no load is running to complete it, or if
-        the running load fails (its error is the ``__cause__``).
+        the load fails (its error is the ``__cause__``) — without ``unit``, even if it
+        fails after every unit landed (a unit callback, the final progress call): its
+        slabs are exact, but what the server does with them did not finish.
         """
         self._check_open()
         self._settle()
         units = list(self.plan.units) if unit is None else [unit]
-        for u in units:
-            if self._state != "loading":
-                self._tracker.check(u)
-            try:
+        try:
+            for u in units:
+                if self._state != "loading":
+                    self._check_ended(u)
                 await self._tracker.wait(u)
-            except IncompleteLoadError as err:
-                self._delivered(err.__cause__)
-                raise
+            if unit is None:
+                task = self._task
+                if task is not None and not task.done():
+                    await asyncio.wait([task])
+                    self._settle()
+                self._check_ended(None)
+        except IncompleteLoadError as err:
+            self._delivered(err.__cause__)
+            raise
+
+    def _check_ended(self, unit: str | None) -> None:
+        """Outside a load: ``unit`` (or, for None, the last load) is complete, else
+        :class:`IncompleteLoadError`, caused by the last load's error if it broke."""
+        error = self._tracker.error if self._state in ("failed", "cancelled") else None
+        try:
+            if unit is not None:
+                self._tracker.check(unit)
+            elif error is not None:
+                how = "failed" if self._state == "failed" else "was cancelled"
+                raise IncompleteLoadError(f"the load {how} after its units landed: {self._error}")
+        except IncompleteLoadError as err:
+            if error is not None:
+                raise err from error
+            raise
 
     def statistics(self) -> LoadStatistics:
         self._settle()
@@ -293,8 +322,8 @@ class SlabSet:
         return LoadStatistics(
             state=self._state,
             device=str(self.device),
-            files=len(self.plan.files),
-            tensors=len(self.plan.routes),
+            files=len(self._run_plan.files),
+            tensors=len(self._run_plan.routes),
             tensors_landed=self._tracker.landed_routes,
             units=len(self.plan.units),
             units_complete=self._tracker.complete_units,
@@ -342,6 +371,7 @@ class SlabSet:
         """Begin a load in the background and return its task (owned by this SlabSet:
         :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
         options = options or LoadOptions()
+        asyncio.get_running_loop()  # outside one, refused before the state changes
         self._begin(checkpoint, plan, options)
         return self._spawn(self._run(checkpoint, options, on_unit_ready, progress, self._task))
 
@@ -372,21 +402,28 @@ class SlabSet:
 
     async def aclose(self) -> None:
         """Cancel a running load, wait for it to release everything, free the slabs.
-        Idempotent."""
+        Idempotent; concurrent calls all return once the slabs are freed."""
         if self._closed:
             return
+        if asyncio.current_task() in self._callbacks:
+            raise LoadError(
+                "aclose() from an on_unit_ready callback would wait for the load, which waits "
+                "for this callback: raise from the callback to fail the load instead"
+            )
         self._closing = True
-        task, self._task = self._task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
-            except AsyncSlabError:
-                pass
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        # Every load task still running: this one, and a failed one still draining its
+        # threads (which a load cancelled before its first step never waited for). Another
+        # aclose() meanwhile waits the same: the slabs go only once nothing writes into them.
+        # A cancelled caller leaves them allocated.
+        while live := [task for task in self._live if not task.done()]:
+            for task in live:
+                task.add_done_callback(retrieve)  # their end is this close's doing
+            await asyncio.wait(live)
+        if self._closed:
+            return
+        self._task = None
         self._closed = True
         self._tensors.clear()
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -438,6 +475,8 @@ class SlabSet:
     def _spawn(self, run: Coroutine[object, object, SlabSet]) -> asyncio.Task[SlabSet]:
         task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
         self._task = task
+        self._live.add(task)
+        task.add_done_callback(self._live.discard)
         generation = self._generation
 
         def settle(task: asyncio.Task[SlabSet]) -> None:
@@ -588,7 +627,9 @@ class SlabSet:
 
                     def unit_done(unit: str) -> None:
                         if on_unit_ready is not None:
-                            tg.create_task(_callback(on_unit_ready, unit, self))
+                            task = tg.create_task(_callback(on_unit_ready, unit, self))
+                            self._callbacks.add(task)
+                            task.add_done_callback(self._callbacks.discard)
 
                     self._tracker.begin(unit_done)
                     for route in sched.empty:
@@ -632,7 +673,12 @@ class SlabSet:
                 raise
         self._finish("complete")
         if progress is not None:
-            progress(self.statistics())
+            try:
+                progress(self.statistics())
+            except Exception as err:  # as one during the load: the load failed
+                wrapped = LoadError(f"load failed: {err!r}")
+                self._finish("failed", wrapped)
+                raise wrapped from err
         return self
 
     async def _release_load(
@@ -943,6 +989,13 @@ class _Ticker:
 async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
     try:
         await callback(unit, slabs)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # the load is being torn down
+            raise
+        # The callback's own doing (it awaited something cancelled): a TaskGroup would take
+        # it for a clean end, and the load would report the unit post-processed.
+        raise LoadError(f"on_unit_ready callback for unit {unit!r} was cancelled") from None
     except AsyncSlabError:
         raise
     except Exception as err:

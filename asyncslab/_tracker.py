@@ -102,6 +102,11 @@ class Tracker:
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.set_result(None)
 
+    @property
+    def error(self) -> BaseException | None:
+        """What broke the last load, until the next :meth:`reset`."""
+        return self._error
+
     def is_complete(self, unit: str) -> bool:
         return unit in self._completed_at
 

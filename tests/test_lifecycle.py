@@ -1,0 +1,333 @@
+"""A SlabSet's life in a server: closing, retrying, waiting and calling back while other
+tasks do the same. Each test here failed before the fix it names (see docs/robustness.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import json
+import re
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import assert_bit_identical, io_threads, open_fds, slow_reads
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import asyncslab
+from asyncslab import Checkpoint, LoadOptions, SlabSet, SyntheticSpec, plan, write_synthetic
+from asyncslab import _copy as copy_module
+from asyncslab._read import pread_scatter
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+# Many small reads on four threads: a load is dozens of reads, several in flight.
+SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=0, io_workers=4)
+
+
+def failing_first_read(monkeypatch: pytest.MonkeyPatch, *, others_take: float) -> None:
+    """The first read of the process fails at once; every other read takes ``others_take``
+    seconds more, so that reads are still in their threads when the failure is reported."""
+    calls = itertools.count()
+
+    def read(*args: Any, **kwargs: Any) -> int:
+        if next(calls) == 0:
+            time.sleep(0.02)
+            raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+        time.sleep(others_take)
+        return pread_scatter(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "pread_scatter", read)
+
+
+async def test_concurrent_acloses_free_the_slabs_only_once_no_read_is_left(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two shutdown paths (a signal handler, the lifespan's exit) each close the slabs. The
+    # second used to find no task and free the slabs at once, under running reads (a tensor
+    # allocated next received their bytes).
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slow_reads(monkeypatch, 0.1)
+    slabs = SlabSet(plan(ckpt))
+    task = slabs.start(ckpt, options=SMALL)
+    await asyncio.sleep(0.05)  # reads in flight
+    seen: list[tuple[bool, list[str]]] = []
+
+    async def close() -> None:
+        await slabs.aclose()
+        seen.append((task.done(), [t.name for t in io_threads()]))
+
+    await asyncio.gather(close(), close())
+    assert seen == [(True, []), (True, [])]
+    assert slabs._backing.numel() == 0
+    assert task.cancelled()
+
+
+async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ready() reports a failure while that load still drains its threads; a retry is started
+    # and the server shuts down before the retry's first step. aclose() used to wait for the
+    # retry only, freeing the slabs under the failed load's reads.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    failing_first_read(monkeypatch, others_take=0.3)
+    slabs = SlabSet(plan(ckpt))
+    failed = slabs.start(ckpt, options=SMALL)
+    with pytest.raises(asyncslab.IncompleteLoadError) as info:
+        await slabs.ready()
+    assert isinstance(info.value.__cause__, asyncslab.ReadError)
+    assert not failed.done()  # still draining
+    retry = slabs.start(ckpt, options=SMALL)
+    await slabs.aclose()
+    assert failed.done()
+    assert io_threads() == []
+    assert retry.cancelled()
+
+
+async def test_aclose_from_a_unit_callback_is_refused_instead_of_waiting_for_itself(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # aclose() cancels and waits for the load, whose task group waits for this callback:
+    # that hung the load, the slabs and the process's exit.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    fds = open_fds()
+    slabs = SlabSet(plan(ckpt))
+
+    async def on_unit(unit: str, s: SlabSet) -> None:
+        await s.aclose()
+
+    async with asyncio.timeout(10):
+        with pytest.raises(asyncslab.LoadError, match="from an on_unit_ready callback"):
+            await slabs.load(ckpt, options=SMALL, on_unit_ready=on_unit)
+    assert slabs.state == "failed"
+    assert io_threads() == []
+    assert open_fds() == fds
+    await slabs.aclose()  # from outside a callback: closes
+    with pytest.raises(asyncslab.ClosedError):
+        slabs.slab(next(iter(slabs.plan.slabs)))
+
+
+async def test_start_outside_an_event_loop_leaves_the_slabset_as_it_was(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # start() marked the SlabSet "loading" before finding no loop to run in: every later
+    # load was "already running" and reset() refused, for good.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+    with pytest.raises(RuntimeError, match="no running event loop"):
+        await asyncio.to_thread(slabs.start, ckpt)
+    assert slabs.state == "empty"
+    await slabs.load(ckpt, options=SMALL)
+    assert_bit_identical(slabs, ckpt)
+
+
+def _swap_two_experts_across_tiers(src: Path, dst: Path) -> str:
+    """A copy of ``src`` in which two experts of one layer, in different tiers, swap names:
+    the same slab layout, other slots for their tensors. Returns one renamed tensor."""
+    ckpt = Checkpoint.open(src)
+    slab_of: dict[tuple[int, int], str] = {}
+    for route in plan(ckpt).routes:
+        m = re.fullmatch(
+            r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.trellis", route.tensor
+        )
+        if m:
+            slab_of[(int(m[1]), int(m[2]))] = route.slab
+    layer, a, b = next(
+        (la, ea, eb)
+        for (la, ea), sa in sorted(slab_of.items())
+        for (lb, eb), sb in sorted(slab_of.items())
+        if la == lb and eb > ea and sa != sb
+    )
+    first, second = (
+        f"model.layers.{layer}.mlp.experts.{a}.",
+        f"model.layers.{layer}.mlp.experts.{b}.",
+    )
+
+    def renamed(name: str) -> str:
+        if name.startswith(first):
+            return second + name[len(first) :]
+        if name.startswith(second):
+            return first + name[len(second) :]
+        return name
+
+    dst.mkdir()
+    for path in src.iterdir():
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {renamed(k): f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                metadata = f.metadata()
+            save_file(tensors, str(dst / path.name), metadata=metadata)
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+            if "weight_map" in data:
+                data["weight_map"] = {renamed(k): v for k, v in data["weight_map"].items()}
+            (dst / path.name).write_text(json.dumps(data))
+    return first + "up_proj.trellis"
+
+
+async def test_view_and_statistics_follow_the_plan_of_the_last_load(tmp_path: Path) -> None:
+    # A load with plan= (same slab layout, other routes) used to leave view() on the plan
+    # the slabs were made for: wrong shapes and wrong bytes for the tensors that moved.
+    spec = SyntheticSpec(n_layers=3, n_experts=8, hidden=64, intermediate=32, vocab=128, seed=0)
+    a = write_synthetic(tmp_path / "a", spec)
+    moved = _swap_two_experts_across_tiers(a.root, tmp_path / "b")
+    ckpt_a, ckpt_b = Checkpoint.open(a.root), Checkpoint.open(tmp_path / "b")
+    plan_a, plan_b = plan(ckpt_a), plan(ckpt_b)
+    assert plan_a.layout_fingerprint == plan_b.layout_fingerprint
+    assert plan_a.where(moved) != plan_b.where(moved)
+    slabs = await asyncslab.load(ckpt_a, plan_a)
+    await slabs.load(ckpt_b, plan=plan_b)
+    assert slabs.plan is plan_a  # the slabs' layout
+    assert_bit_identical(slabs, ckpt_b)  # through view(), tensor by tensor
+    stats = slabs.statistics()
+    assert (stats.files, stats.tensors) == (len(plan_b.files), len(plan_b.routes))
+    await slabs.aclose()
+
+
+async def test_ready_returns_once_the_load_ended_so_a_reload_may_start_at_once(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+    slabs.start(ckpt, options=SMALL)
+    await slabs.ready()
+    assert slabs.state == "complete"  # was "loading": threads and files not yet released
+    slabs.reset()  # refused before: "a load is running"
+    await slabs.load(ckpt, options=SMALL)
+    assert_bit_identical(slabs, ckpt)
+
+
+@pytest.mark.parametrize("how", ["callback fails", "progress fails at the end", "cancelled"])
+async def test_ready_raises_when_the_load_breaks_after_every_unit_landed(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, how: str
+) -> None:
+    # The slabs are exact, but what the server does with them (a unit callback) did not
+    # finish: ready() used to return as if the load had succeeded.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    slabs = SlabSet(p)
+    landed = asyncio.Event()
+    units_done: list[str] = []
+
+    async def on_unit(unit: str, s: SlabSet) -> None:
+        units_done.append(unit)
+        if len(units_done) < len(p.units):
+            return
+        landed.set()
+        if how == "callback fails":
+            raise ValueError("post-processing broke")
+        if how == "cancelled":
+            await asyncio.sleep(30)  # cancelled below
+
+    def progress(stats: asyncslab.LoadStatistics) -> None:
+        if how == "progress fails at the end" and stats.state == "complete":
+            raise ValueError("progress display broke")
+
+    task = slabs.start(ckpt, options=SMALL, on_unit_ready=on_unit, progress=progress)
+    if how == "cancelled":
+        await landed.wait()
+        task.cancel()
+    with pytest.raises(asyncslab.IncompleteLoadError, match="after its units landed") as info:
+        await slabs.ready()
+    assert slabs.complete  # every unit landed
+    if how == "cancelled":
+        assert slabs.state == "cancelled"
+        assert isinstance(info.value.__cause__, asyncio.CancelledError)
+    else:
+        assert slabs.state == "failed"
+        assert isinstance(info.value.__cause__, asyncslab.LoadError)
+        assert isinstance(info.value.__cause__.__cause__, ValueError)
+    await asyncio.wait([task])
+    # Per unit, ready() still returns: each unit's bytes are complete and exact.
+    await slabs.ready(next(iter(p.units)))
+
+
+async def test_a_failing_final_progress_call_fails_the_load_as_any_progress_call(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # load() used to raise the bare ValueError while the state said "complete".
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+
+    def progress(stats: asyncslab.LoadStatistics) -> None:
+        if stats.state == "complete":
+            raise ValueError("progress display broke")
+
+    with pytest.raises(asyncslab.LoadError, match="load failed: ValueError") as info:
+        await slabs.load(ckpt, options=SMALL, progress=progress)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert slabs.state == "failed"
+    assert "progress display broke" in (slabs.statistics().error or "")
+
+
+async def test_a_unit_callback_that_ends_cancelled_fails_the_load(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # A callback awaiting something that was cancelled ends in CancelledError of its own; a
+    # task group takes that for a clean end, and the load reported complete with that
+    # unit's post-processing never done.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    unit = sorted(p.units)[1]
+
+    async def on_unit(u: str, s: SlabSet) -> None:
+        if u == unit:
+            gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            gone.cancel()
+            await gone
+
+    slabs = SlabSet(p)
+    with pytest.raises(
+        asyncslab.LoadError, match=f"callback for unit '{re.escape(unit)}' was cancelled"
+    ):
+        await slabs.load(ckpt, options=SMALL, on_unit_ready=on_unit)
+    assert slabs.state == "failed"
+
+
+async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A health check calling ready() after the load failed got no cause, and asyncio logged
+    # the load task's error as never retrieved although ready() had reported it.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    failing_first_read(monkeypatch, others_take=0.0)
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        slabs = SlabSet(plan(ckpt))
+        task = slabs.start(ckpt, options=SMALL)
+        await asyncio.wait([task])  # ended, its error not retrieved
+        assert slabs.state == "failed"
+        with pytest.raises(asyncslab.IncompleteLoadError, match="is incomplete") as info:
+            await slabs.ready()
+        assert isinstance(info.value.__cause__, asyncslab.ReadError)
+        del info, task, slabs
+        await asyncio.sleep(0)
+        gc.collect()  # a failed load's tracebacks hold frames: cycles
+    finally:
+        loop.set_exception_handler(previous)
+    assert logged == []
+
+
+async def test_cancelled_ready_callers_leave_no_waiter_behind(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # ready() waits on a future of its own per call: callers cancelled mid-wait leave none
+    # behind, and a later caller is still woken.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+    task = slabs.start(ckpt, options=replace(SMALL, max_bytes_per_s=200_000))
+    cancelled = [asyncio.ensure_future(slabs.ready()) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    for waiter in cancelled:
+        waiter.cancel()
+    await asyncio.gather(*cancelled, return_exceptions=True)
+    assert sum(len(w) for w in slabs._tracker._waiters.values()) == 0
+    await slabs.ready()
+    assert await task is slabs
