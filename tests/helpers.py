@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
 import asyncslab
+
+
+@contextlib.contextmanager
+def loop_errors() -> Iterator[list[dict[str, Any]]]:
+    """What the running loop's exception handler is given meanwhile ("Task exception was
+    never retrieved", ...), instead of logging it."""
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        yield logged
+    finally:
+        loop.set_exception_handler(previous)
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

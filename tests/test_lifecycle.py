@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_bit_identical, io_threads, open_fds, slow_reads
+from helpers import assert_bit_identical, io_threads, loop_errors, open_fds, slow_reads
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -295,11 +295,7 @@ async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
     # the load task's error as never retrieved although ready() had reported it.
     ckpt = Checkpoint.open(small_checkpoint.root)
     failing_first_read(monkeypatch, others_take=0.0)
-    loop = asyncio.get_running_loop()
-    logged: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _, context: logged.append(context))
-    try:
+    with loop_errors() as logged:
         slabs = SlabSet(plan(ckpt))
         task = slabs.start(ckpt, options=SMALL)
         await asyncio.wait([task])  # ended, its error not retrieved
@@ -310,8 +306,6 @@ async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
         del info, task, slabs
         await asyncio.sleep(0)
         gc.collect()  # a failed load's tracebacks hold frames: cycles
-    finally:
-        loop.set_exception_handler(previous)
     assert logged == []
 
 

@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_bit_identical, io_threads, open_fds, raw_bytes, slow_reads
+from helpers import (
+    assert_bit_identical,
+    io_threads,
+    loop_errors,
+    open_fds,
+    raw_bytes,
+    slow_reads,
+)
 from safetensors.torch import save_file
 
 import asyncslab
@@ -218,11 +225,7 @@ async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
     """A server that starts a load and awaits ready() gets the failure there; asyncio must
     not log it again, as unseen, when the task goes. A failure nobody looked at still is."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
-    loop = asyncio.get_running_loop()
-    logged: list[dict[str, Any]] = []
-    previous = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _, context: logged.append(context))
-    try:
+    with loop_errors() as logged:
         slabs = SlabSet(plan(ckpt))
 
         def broken(_: asyncslab.LoadStatistics) -> None:
@@ -239,8 +242,6 @@ async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
         del slabs, task
         await asyncio.sleep(0)
         gc.collect()  # a failed load's tracebacks hold frames: cycles
-    finally:
-        loop.set_exception_handler(previous)
     never = [c for c in logged if "never retrieved" in c.get("message", "")]
     assert len(never) == (0 if observed else 1)
     assert not [c for c in logged if c not in never]
