@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -95,7 +96,14 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if value > _MOST:
+        # One thread, or one stream, each: a typo of many digits made threads until the
+        # process ran out of memory.
+        raise argparse.ArgumentTypeError(f"expected at most {_MOST}, got {text!r}")
     return value
+
+
+_MOST = 1024
 
 
 def _rank_arg(text: str) -> int:
@@ -116,7 +124,12 @@ def _mib_arg(text: str) -> int:
         value = -1.0
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
+    if value > _MOST_MIB:
+        raise argparse.ArgumentTypeError(f"expected at most {_MOST_MIB} MiB (1 TiB), got {text!r}")
     return max(1, int(value * (1 << 20)))
+
+
+_MOST_MIB = 1 << 20
 
 
 def _device_arg(text: str) -> str:
@@ -126,6 +139,9 @@ def _device_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"invalid device {text!r}") from None
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"device {text!r} is not supported (cpu or cuda)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # Before anything is written or read (the demo wrote its checkpoint first).
+        raise argparse.ArgumentTypeError(f"device {text!r} requested, but CUDA is not available")
     return text
 
 
@@ -171,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--dir", type=Path, default=None, help="write here and keep it (default: a temp dir)"
     )
-    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    demo.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda[:N]")
     demo.add_argument("--keep", action="store_true", help="keep the temporary checkpoint")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(handler=_cmd_demo)
@@ -367,12 +383,26 @@ def _error(err: BaseException | str) -> None:
 
 def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
     """Run ``coro`` on uvloop when it is installed (servers use it), else on asyncio."""
+    _fill_closed_std_fds()
     try:
         import uvloop
     except ImportError:
         return asyncio.run(coro)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(coro)
+
+
+def _fill_closed_std_fds() -> None:
+    """Open /dev/null on a closed fd 0, 1 or 2 (`asyncslab load ... <&-`): the loop's own fds
+    would take those numbers, and libuv aborts the process (an assertion) on closing one."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -383,6 +413,10 @@ def _open_and_plan(
 ) -> tuple[Checkpoint, Plan]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
+    if path.is_file() and path.name.endswith(".json"):
+        raise UsageError(f"{path} is an index: pass the checkpoint directory that holds it")
+    if isinstance(tier_map, Path) and tier_map.is_dir():
+        raise UsageError(f"{tier_map} is a directory, not a tier map file")
     if isinstance(tier_map, Path) and not tier_map.is_file():
         raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
     checkpoint = Checkpoint.open(path)
@@ -524,9 +558,24 @@ def _read_reference(file: Path, names: Sequence[str]) -> Iterator[tuple[str, tor
     """Tensors as the ``safetensors`` library reads them: the independent reference."""
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt", device="cpu") as handle:
-        for name in names:
-            yield name, handle.get_tensor(name)
+    name = None
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in names:
+                yield name, handle.get_tensor(name)
+    except Exception as err:  # safetensors' own SafetensorError derives from Exception only
+        what = f"tensor {name!r} of " if name is not None else ""
+        raise VerifyError(
+            f"--verify: the safetensors library cannot read {what}{file}: {err}"
+        ) from err
+
+
+class _Stopped(Exception):
+    """Verification abandoned: nobody waits for its result any more."""
+
+
+class VerifyError(UsageError):
+    """The reference library could not read what was loaded (one line, exit code 2)."""
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -545,9 +594,10 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def verify_slabs(p: Plan, slabs: SlabSet) -> VerifyResult:
+def verify_slabs(p: Plan, slabs: SlabSet, stop: threading.Event | None = None) -> VerifyResult:
     """Compare every routed tensor's slot with ``safetensors.safe_open(...).get_tensor``,
-    as raw bytes (so NaN payloads and signed zeros count)."""
+    as raw bytes (so NaN payloads and signed zeros count). ``stop`` set: give up before the
+    next tensor (its caller was interrupted)."""
     started = time.perf_counter()
     by_file: dict[Path, list[str]] = defaultdict(list)
     for route in p.routes:
@@ -559,7 +609,7 @@ def verify_slabs(p: Plan, slabs: SlabSet) -> VerifyResult:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _compare_files(slabs, by_file, mismatches, details)
+        _compare_files(slabs, by_file, mismatches, details, stop)
     finally:
         torch.set_num_threads(threads)
     return VerifyResult(
@@ -575,9 +625,12 @@ def _compare_files(
     by_file: Mapping[Path, Sequence[str]],
     mismatches: list[str],
     details: list[str],
+    stop: threading.Event | None,
 ) -> None:
     for file, names in by_file.items():
         for name, expected in _read_reference(file, names):
+            if stop is not None and stop.is_set():
+                raise _Stopped
             got = slabs.view(name)
             if got.device.type != "cpu":
                 got = got.cpu()
@@ -611,7 +664,15 @@ async def _load_and_verify(
         stats = slabs.statistics()
         if progress is not None:
             progress.finish()
-        result = verify_slabs(p, slabs) if verify else None
+        result = None
+        if verify:
+            # On a thread, so that Ctrl-C (which cancels this task) is heard at once; the
+            # thread stops before its next tensor.
+            stop = threading.Event()
+            try:
+                result = await asyncio.to_thread(verify_slabs, p, slabs, stop)
+            finally:
+                stop.set()
     return stats, result
 
 
@@ -686,17 +747,17 @@ def _demo_directory(directory: Path | None, keep: bool) -> Iterator[tuple[Path, 
             yield Path(tmp), False
 
 
-def _check_demo_directory(root: Path, spec: SyntheticSpec, size: int) -> None:
-    """Refuse to mix the demo into another checkpoint, or to fill the disk."""
-    from ._synthetic import _shard_names
+_DEMO_MARK = ".asyncslab-demo"
 
-    ours = set(_shard_names(spec.n_shards))
-    others = sorted(p.name for p in root.glob("*.safetensors") if p.name not in ours)
-    stale_index = spec.n_shards == 1 and (root / "model.safetensors.index.json").exists()
-    if others or stale_index:
-        what = ", ".join(others[:3]) if others else "model.safetensors.index.json"
+
+def _check_demo_directory(root: Path, size: int) -> None:
+    """Refuse to write the demo over another checkpoint (one a demo wrote may be replaced),
+    or to fill the disk."""
+    found = sorted(p.name for p in root.iterdir() if p.name.endswith((".safetensors", ".json")))
+    if found and not (root / _DEMO_MARK).exists():
         raise UsageError(
-            f"{root} already holds another checkpoint ({what}); choose an empty directory"
+            f"{root} already holds a checkpoint not written by the demo "
+            f"({', '.join(found[:3])}); choose an empty directory"
         )
     free = shutil.disk_usage(root).free
     if free < size * 1.1:
@@ -724,7 +785,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
     _out(f"model: {_describe_spec(spec)}")
     with _demo_directory(args.dir, args.keep) as (root, kept):
-        _check_demo_directory(root, spec, size)
+        _check_demo_directory(root, size)
+        for stale in (*root.glob("*.safetensors"), *root.glob("*.json")):
+            stale.unlink()  # an earlier demo's (checked above): no shard of it left behind
+        (root / _DEMO_MARK).touch()
         started = time.perf_counter()
         written: SyntheticCheckpoint = write_synthetic(root, spec)
         write_s = time.perf_counter() - started
@@ -810,8 +874,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_load(args: argparse.Namespace) -> int:
     path: Path = args.path
     json_path: Path | None = args.json
-    if json_path is not None and not json_path.parent.is_dir():
-        raise FileNotFoundError(f"{json_path.parent}: directory for --json does not exist")
+    if json_path is not None:
+        _check_json_path(json_path)
     options = LoadOptions(
         io_workers=args.io_workers,
         read_size=args.read_mb,
@@ -820,6 +884,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
         transfer=args.transfer,
     )
     checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
+    if json_path is not None and json_path.resolve() in {f.path.resolve() for f in p.files}:
+        raise UsageError(f"--json {json_path} is a file of the checkpoint")
     stats, verify = _run_load(
         checkpoint,
         p,
@@ -829,8 +895,9 @@ def _cmd_load(args: argparse.Namespace) -> int:
         verify=args.verify,
     )
     rss = peak_rss_bytes()
-    _out(f"loaded {path}:")
-    _out(format_table(_result_rows(stats, p, verify, rss), align="ll", indent="  "))
+    # The JSON and the verdict first: a reader of stdout that left early loses neither.
+    if verify is not None and not verify.ok:
+        _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
     if json_path is not None:
         doc: dict[str, Any] = dataclasses.asdict(stats)
         doc.update(
@@ -847,7 +914,23 @@ def _cmd_load(args: argparse.Namespace) -> int:
             options=dataclasses.asdict(options),
         )
         json_path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n", encoding="utf-8")
-    if verify is not None and not verify.ok:
-        _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
-        return 1
-    return 0
+    try:
+        _out(f"loaded {path}:")
+        _out(format_table(_result_rows(stats, p, verify, rss), align="ll", indent="  "))
+    except BrokenPipeError:
+        if verify is not None and not verify.ok:
+            return 1  # the verdict outranks the reader that left
+        raise
+    return 1 if verify is not None and not verify.ok else 0
+
+
+def _check_json_path(path: Path) -> None:
+    """Before the load: a --json that cannot be written fails now, not after it."""
+    if path.is_dir():
+        raise UsageError(f"--json {path} is a directory")
+    parent = path.parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"--json {path}: {parent} {what}")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--json {path} cannot be written (permission denied)")

@@ -100,6 +100,11 @@ class LoadOptions:
                 raise ValueError(f"LoadOptions.{name} must be positive")
         if self.coalesce_gap < 0:
             raise ValueError("LoadOptions.coalesce_gap must be >= 0")
+        if self.staging_bytes < self.staging_buffers:
+            raise ValueError(
+                f"LoadOptions.staging_bytes ({self.staging_bytes}) must give each of the "
+                f"{self.staging_buffers} staging buffers at least one byte"
+            )
         if not 0 <= self.io_nice <= 19:
             raise ValueError("LoadOptions.io_nice must be in 0..19 (raising priority needs root)")
         if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
@@ -145,6 +150,8 @@ class LoadStatistics:
     def eta_s(self) -> float | None:
         if self.bytes_landed == 0 or self.state != "loading":
             return None
+        if self.elapsed_s < 1.0 and self.bytes_landed * 100 < self.bytes_needed:
+            return None  # a first small read says nothing of the rate: no 70-hour ETA
         rate = self.bytes_landed / self.elapsed_s
         return (self.bytes_needed - self.bytes_landed) / rate
 

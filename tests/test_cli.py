@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -507,3 +508,192 @@ def test_format_helpers() -> None:
     ]
     with pytest.raises(ValueError, match="align"):
         format_table([["a"]], align="lr")
+
+
+# --------------------------------------------------------------------------- found by probing
+
+
+def _cli_env() -> dict[str, str]:
+    root = str(Path(asyncslab.__file__).resolve().parent.parent)
+    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.mark.parametrize("closed", ["<&-", ">&-"])
+def test_load_with_a_closed_stdin_or_stdout_finishes(
+    checkpoint: SyntheticCheckpoint, closed: str
+) -> None:
+    # uvloop's own fds took number 0 or 1, and libuv aborted the process (SIGABRT) on
+    # closing one: `python: src/unix/core.c: uv__close: Assertion 'fd > STDERR_FILENO'`.
+    command = f'exec "{sys.executable}" -m asyncslab load "{checkpoint.root}" --no-progress'
+    proc = subprocess.run(
+        ["sh", "-c", f"{command} {closed}"],
+        capture_output=True,
+        text=True,
+        env=_cli_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Assertion" not in proc.stderr
+
+
+def test_verify_that_the_reference_cannot_read_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # A name the JSON allows but UTF-8 cannot hold (a lone surrogate, escaped): asyncslab
+    # loads it, the safetensors library refuses the header, and --verify ended in its
+    # traceback, exit 1.
+    header = b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    path = tmp_path / "lone.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0\0\x80\x3f")
+    assert main(["load", str(path), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["load", str(path), "--no-progress", "--verify"]) == 2
+    assert_one_error_line(
+        capsys.readouterr().err, "--verify", "safetensors library cannot read", "lone.safetensors"
+    )
+
+
+def test_verify_runs_off_the_event_loop_and_stops_when_asked(
+    checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Run on the loop's thread, verify kept Ctrl-C waiting until it had compared everything.
+    ckpt = asyncslab.Checkpoint.open(checkpoint.root)
+    plan = asyncslab.plan(ckpt)
+    threads: list[str] = []
+    real = _cli.verify_slabs
+
+    def recording(*args: object) -> object:
+        threads.append(threading.current_thread().name)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_cli, "verify_slabs", recording)
+    _, result = _cli._run_load(
+        ckpt, plan, device="cpu", options=asyncslab.LoadOptions(), show_progress=False, verify=True
+    )
+    assert result is not None
+    assert result.ok
+    assert threads
+    assert threads[0] != threading.main_thread().name
+
+    async def stopped() -> None:
+        slabs = await asyncslab.load(ckpt, plan)
+        stop = threading.Event()
+        stop.set()
+        with pytest.raises(_cli._Stopped):
+            real(plan, slabs, stop)
+        await slabs.aclose()
+
+    _cli.run_async(stopped())
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "fragment"),
+    [
+        ("--io-workers", "99999999999999999999", "at most 1024"),
+        ("--streams", "5000", "at most 1024"),
+        ("--staging-mb", "1e300", "at most"),
+        ("--read-mb", "1e300", "at most"),
+    ],
+)
+def test_option_values_past_any_sense_are_one_line(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    option: str,
+    value: str,
+    fragment: str,
+) -> None:
+    # A mistyped --io-workers made threads until the process ran out of memory; a huge
+    # --staging-mb ended in a torch error with its C++ stack on one line.
+    assert main(["load", str(checkpoint.root), option, value]) == 2
+    assert_one_error_line(capsys.readouterr().err, option, fragment)
+
+
+def test_staging_budget_below_one_byte_per_buffer_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one byte"):
+        asyncslab.LoadOptions(staging_bytes=4, staging_buffers=8)
+
+
+def test_demo_refuses_to_write_over_a_checkpoint_it_did_not_write(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    # Shards named as the demo names its own (as transformers names them) were overwritten.
+    target = tmp_path / "hf"
+    target.mkdir()
+    for path in [*checkpoint.files, checkpoint.index]:
+        assert path is not None
+        (target / path.name).write_bytes(path.read_bytes())
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    assert main(["demo", "--size", "2MiB", "--dir", str(target), "--no-progress"]) == 2
+    assert_one_error_line(capsys.readouterr().err, "not written by the demo", "empty directory")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+@pytest.mark.parametrize("where", ["a directory", "a shard", "under a file"])
+def test_json_that_cannot_be_written_fails_before_the_load(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    tmp_path: Path,
+    where: str,
+) -> None:
+    # It failed after the load (a directory: "Is a directory"), or overwrote a shard of the
+    # checkpoint with JSON, so that the next load failed on its header.
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    for path in [*checkpoint.files, checkpoint.index]:
+        assert path is not None
+        (target / path.name).write_bytes(path.read_bytes())
+    (tmp_path / "afile").write_text("x")
+    json_path = {
+        "a directory": tmp_path,
+        "a shard": target / checkpoint.files[0].name,
+        "under a file": tmp_path / "afile" / "stats.json",
+    }[where]
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    assert main(["load", str(target), "--no-progress", "--json", str(json_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the load
+    assert_one_error_line(err, "--json")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_load_writes_json_and_its_verdict_before_the_table(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # With stdout gone (`| true`), the JSON and the verify verdict were lost (exit 141).
+    def gone(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError
+
+    monkeypatch.setattr(_cli, "_out", gone)
+    report = tmp_path / "stats.json"
+    args = ["load", str(checkpoint.root), "--no-progress", "--verify", "--json", str(report)]
+    assert main(args) == 141
+    assert json.loads(report.read_text())["verify"]["ok"] is True
+
+
+@pytest.mark.parametrize("what", ["tier map directory", "index as the path"])
+def test_misleading_paths_get_a_message_that_says_what_they_are(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path, what: str
+) -> None:
+    if what == "tier map directory":
+        argv = ["load", str(checkpoint.root), "--tier-map", str(tmp_path)]
+        fragment = "is a directory, not a tier map file"
+    else:
+        assert checkpoint.index is not None
+        argv = ["load", str(checkpoint.index)]
+        fragment = "pass the checkpoint directory"
+    assert main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, fragment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_demo_on_cuda_without_cuda_fails_before_writing(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    target = tmp_path / "demo"
+    target.mkdir()
+    assert main(["demo", "--device", "cuda", "--dir", str(target)]) == 2
+    assert_one_error_line(capsys.readouterr().err, "CUDA is not available")
+    assert list(target.iterdir()) == []
