@@ -69,6 +69,15 @@ def parse_tier_table(text: str) -> dict[int, dict[str, int]]:
     return tiers
 
 
+def copy_checkpoint(checkpoint: SyntheticCheckpoint, target: Path) -> Path:
+    """A copy of ``checkpoint``'s shards and index in ``target``, for a test to damage."""
+    target.mkdir()
+    for path in [*checkpoint.files, checkpoint.index]:
+        assert path is not None
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
 def assert_one_error_line(err: str, *fragments: str) -> str:
     lines = err.splitlines()
     assert len(lines) == 1, err
@@ -287,11 +296,7 @@ def test_malformed_header_is_one_line_exit_2(
         broken.write_bytes(b"\x01\x02\x03\x04")
         target = broken
     else:
-        target = tmp_path / "ckpt"
-        target.mkdir()
-        for path in [*checkpoint.files, checkpoint.index]:
-            assert path is not None
-            (target / path.name).write_bytes(path.read_bytes())
+        target = copy_checkpoint(checkpoint, tmp_path / "ckpt")
         broken = target / checkpoint.files[1].name
         broken.write_bytes(b"\x01\x02\x03\x04")
     assert main([command, str(target)]) == 2
@@ -617,11 +622,7 @@ def test_demo_refuses_to_write_over_a_checkpoint_it_did_not_write(
     capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
 ) -> None:
     # Shards named as the demo names its own (as transformers names them) were overwritten.
-    target = tmp_path / "hf"
-    target.mkdir()
-    for path in [*checkpoint.files, checkpoint.index]:
-        assert path is not None
-        (target / path.name).write_bytes(path.read_bytes())
+    target = copy_checkpoint(checkpoint, tmp_path / "hf")
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     assert main(["demo", "--size", "2MiB", "--dir", str(target), "--no-progress"]) == 2
     assert_one_error_line(capsys.readouterr().err, "not written by the demo", "empty directory")
@@ -637,11 +638,7 @@ def test_json_that_cannot_be_written_fails_before_the_load(
 ) -> None:
     # It failed after the load (a directory: "Is a directory"), or overwrote a shard of the
     # checkpoint with JSON, so that the next load failed on its header.
-    target = tmp_path / "ckpt"
-    target.mkdir()
-    for path in [*checkpoint.files, checkpoint.index]:
-        assert path is not None
-        (target / path.name).write_bytes(path.read_bytes())
+    target = copy_checkpoint(checkpoint, tmp_path / "ckpt")
     (tmp_path / "afile").write_text("x")
     json_path = {
         "a directory": tmp_path,
