@@ -58,11 +58,41 @@ def bind_module(
     views: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     unbound: list[str] = []
-    for name, current in [*params.items(), *buffers.items()]:
+    # A submodule reachable under two names: both names set one slot. Mapped under one,
+    # bound under both; mapped under both to different targets, the last would have won
+    # with no word said.
+    targets: dict[str, Target | None] = {}
+    first_of: dict[tuple[int, str], str] = {}
+    aliases: dict[str, str] = {}
+    for name in [*params, *buffers]:
+        owner_name, _, leaf = name.rpartition(".")
+        place = (id(module.get_submodule(owner_name)), leaf)
         target = lookup(name)
+        first = first_of.setdefault(place, name)
+        if first != name:
+            aliases[name] = first
+            earlier = targets[first]
+            if target is not None and earlier is not None and target != earlier:
+                problems.append(
+                    f"{name}: the same slot as {first}, which is mapped to {earlier!r}, "
+                    f"not {target!r}"
+                )
+            targets[first] = earlier if earlier is not None else target
+            continue  # bound through its first name
+        targets[name] = target
+    for name, current in [*params.items(), *buffers.items()]:
+        if name not in targets:  # an alias of an earlier name
+            continue
+        target = targets[name]
         if target is None:
             if name in params:
                 unbound.append(name)
+            continue
+        if isinstance(
+            current,
+            torch.nn.parameter.UninitializedParameter | torch.nn.parameter.UninitializedBuffer,
+        ):
+            problems.append(f"{name}: uninitialized (lazy) parameter; run a forward pass first")
             continue
         resolved = _resolve(slabs, target)
         if isinstance(resolved, str):
@@ -99,7 +129,7 @@ def bind_module(
             owner._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
         else:
             owner._buffers[leaf] = view
-    return views
+    return views | {alias: views[first] for alias, first in aliases.items() if first in views}
 
 
 def _resolve(

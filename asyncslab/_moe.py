@@ -144,6 +144,13 @@ class _Expert:
     prefix: str
 
 
+def _span(experts: list[int]) -> str:
+    """``0..7`` for a run, else the first few."""
+    if experts and experts == list(range(experts[0], experts[-1] + 1)):
+        return f"{experts[0]}..{experts[-1]}"
+    return ", ".join(map(str, experts[:8])) + (" ..." if len(experts) > 8 else "")
+
+
 @dataclass(frozen=True, slots=True)
 class TieredMoE:
     """Plans a layer's experts into per-tier slabs; every name and rule is a parameter.
@@ -348,6 +355,13 @@ class TieredMoE:
             declared = self.tier_map.get(layer)
             if declared is None:
                 raise TierMapError(f"tier map has no entry for MoE layer {layer}", layer=layer)
+            if self.n_experts is not None and set(declared) != set(range(self.n_experts)):
+                raise TierMapError(
+                    f"layer {layer}: the tier map declares experts "
+                    f"{_span(sorted(declared))}, n_experts={self.n_experts} says "
+                    f"0..{self.n_experts - 1}",
+                    layer=layer,
+                )
             universe = self._universe(layer, declared.keys())
             wrong = [
                 (e, declared[e], bits, observed[e][bits][0].name)
@@ -380,6 +394,19 @@ class TieredMoE:
     def _plan_layer(
         self, layer: int, items: list[_Expert], checked: list[str], extent: int
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
+        prefixes = sorted({t.prefix for t in items})
+        if len(prefixes) > 1:
+            # Slabs, units and tier maps are per layer number: two models' (a text and a
+            # vision tower's) experts of one layer number would share slabs named after one.
+            other = next(t for t in items if t.prefix == prefixes[1])
+            raise PartitionError(
+                f"layer {layer}: expert tensors under {len(prefixes)} prefixes "
+                f"({', '.join(map(repr, prefixes[:3]))}) share this layer number; give each "
+                "prefix a TieredMoE rule of its own (pattern=...)",
+                file=other.info.file,
+                tensor=other.info.name,
+                layer=layer,
+            )
         partition = self._partition(layer, items, extent)
         prefix = items[0].prefix
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
@@ -453,6 +480,7 @@ class TieredMoE:
                             "group": group,
                             "projection": fused,
                             "suffix": suffix,
+                            "layout": self.layout,
                         },
                     )
                     slabs.append(spec)

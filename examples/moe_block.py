@@ -173,6 +173,13 @@ class TieredMoEBlock(nn.Module):
             for s in plan.slabs.values()
             if s.labels.get("kind") == "experts" and s.labels.get("layer") == str(layer)
         )
+        layout = spec.labels.get("layout", "shard_major")
+        if layout != "shard_major":
+            # forward() indexes w13[0, slot] (gate) and w13[1, slot] (up): shard-major only.
+            raise ValueError(
+                f"layer {layer}: expert slabs are {layout}; this block computes with "
+                "shard_major slabs (TieredMoE's default layout)"
+            )
         tail = f".{spec.labels['group']}.{spec.labels['projection']}.{spec.labels['suffix']}"
         prefix = spec.name.removesuffix(tail)
         router = prefix.removesuffix(".experts") + ".gate.weight"

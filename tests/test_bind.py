@@ -562,3 +562,39 @@ async def test_expert_major_layout_binds_reshaped_views(tmp_path: Path) -> None:
     other.register_buffer("w", torch.empty(1, dtype=torch.int16))
     with pytest.raises(asyncslab.BindError, match="cannot be viewed"):
         asyncslab.bind_module(other, slabs, {"w": (name, (), (7, 3))})
+
+
+@pytest.mark.asyncio
+async def test_a_submodule_under_two_names_binds_one_target(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """One submodule registered under two names has one slot per parameter: mapped to two
+    slabs, the last used to win with no error (and the returned views disagreed with the
+    module); mapped under one name, it is bound under both."""
+    _, slabs = await load_layer(moe_checkpoint)
+    norm = slabs.slab("model.norm.weight")
+    shared = nn.Module()
+    shared.weight = nn.Parameter(torch.empty_like(norm))
+    module = nn.Module()
+    module.a = module.b = shared
+    before = shared.weight
+    other = next(
+        n for n, s in slabs.plan.slabs.items() if s.shape == norm.shape and n != "model.norm.weight"
+    )
+    with pytest.raises(BindError, match="b.weight: the same slot as a.weight"):
+        bind_module(module, slabs, {"a.weight": "model.norm.weight", "b.weight": other})
+    assert shared.weight is before
+    views = bind_module(module, slabs, {"a.weight": "model.norm.weight"})
+    assert views["a.weight"].data_ptr() == views["b.weight"].data_ptr() == norm.data_ptr()
+    assert module.b.weight.data_ptr() == norm.data_ptr()
+
+
+@pytest.mark.asyncio
+async def test_a_lazy_parameter_is_a_bind_error(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    _, slabs = await load_layer(moe_checkpoint)
+    module = nn.Module()
+    module.lin = nn.LazyLinear(4, bias=False)
+    with pytest.raises(BindError, match="lin.weight: uninitialized"):
+        bind_module(module, slabs, {"lin.weight": "model.norm.weight"})

@@ -952,3 +952,39 @@ def test_tiered_moe_n_experts_catches_a_missing_last_expert(tmp_path: Path) -> N
     plan(ck)
     with pytest.raises(PartitionError, match=r"layer 1: .*experts in no group: 3$"):
         plan(ck, [TieredMoE(n_experts=4)])
+
+
+# --------------------------------------------------------------------------- found by probing
+
+
+def test_experts_of_two_towers_sharing_a_layer_number_are_refused(tmp_path: Path) -> None:
+    # A second tower ("model.vision.") with experts 4..7 at layer 1: they were planned into
+    # slabs named after the first tower's layer 1, silently.
+    spec = SyntheticSpec(n_layers=2, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    ckpt = write_synthetic(tmp_path, spec)
+    moved = {}
+    for path in ckpt.files:
+        for name, tensor in load_file(str(path)).items():
+            m = EXPERT_RE.fullmatch(name)
+            if m and int(m[1]) == 1:
+                vision = name.replace("model.", "model.vision.", 1)
+                moved[vision.replace(f"experts.{m[2]}.", f"experts.{int(m[2]) + 4}.", 1)] = tensor
+    assert moved
+    save_file(moved, str(tmp_path / "vision.safetensors"))
+    index = json.loads(ckpt.index.read_text()) if ckpt.index else None
+    if index is not None:
+        index["weight_map"].update(dict.fromkeys(moved, "vision.safetensors"))
+        ckpt.index.write_text(json.dumps(index))
+    with pytest.raises(PartitionError, match="2 prefixes .* share this layer number") as info:
+        plan(Checkpoint.open(tmp_path))
+    assert info.value.tensor is not None
+    assert info.value.tensor.startswith("model.vision.")
+
+
+def test_a_tier_map_contradicting_n_experts_is_refused(tmp_path: Path) -> None:
+    # n_experts was silently ignored once a tier map was given.
+    ckpt = write_synthetic(tmp_path, SyntheticSpec(n_layers=2, n_experts=4))
+    tier_map = load_tier_map(ckpt.tier_map_path)
+    with pytest.raises(TierMapError, match="n_experts=8 says 0..7"):
+        plan(Checkpoint.open(tmp_path), rules=[TieredMoE(tier_map=tier_map, n_experts=8), Dense()])
+    plan(Checkpoint.open(tmp_path), rules=[TieredMoE(tier_map=tier_map, n_experts=4), Dense()])

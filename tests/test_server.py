@@ -354,3 +354,15 @@ async def test_block_weights_are_slab_views(checkpoint: asyncslab.SyntheticCheck
                 x, moe_block.read_layer_tensors(checkpoint.root, layer)
             )
             assert torch.equal(blocks[layer](x), expected), layer
+
+
+def test_the_block_refuses_expert_major_slabs(tmp_path: Path) -> None:
+    # It indexes w13[0, slot] and w13[1, slot]: on expert-major slabs it computed wrong
+    # outputs (and, for some layers, indexed out of range).
+    ckpt = asyncslab.write_synthetic(
+        tmp_path, asyncslab.SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32)
+    )
+    rules = [asyncslab.TieredMoE(layout="expert_major"), asyncslab.Dense()]
+    p = asyncslab.plan(asyncslab.Checkpoint.open(ckpt.root), rules=rules)
+    with pytest.raises(ValueError, match="expert_major; this block computes with shard_major"):
+        moe_block.TieredMoEBlock.from_plan(p, 1)
