@@ -50,6 +50,8 @@ HEALTH_KEYS: dict[str, type | tuple[type, ...]] = {
     "units_total": int,
     "gbps": (int, float),
     "elapsed_s": (int, float),
+    "layer": (int, type(None)),
+    "layer_bound": bool,
 }
 
 
@@ -247,6 +249,17 @@ def test_health_during_load_then_forward_matches_old_way(
         assert again.status_code == 200, again.text
         assert again.json()["sha256"] == got["sha256"]
         assert client.get("/forward", params={"tokens": "x"}).status_code == 400
+        # Each of these was a 500 with a traceback in the server's log (found by probing).
+        for body in (
+            b'{"tokens": Infinity}',
+            b'{"tokens": 1e400}',
+            b'{"tokens": true}',
+            b'{"tokens": 8.5}',
+            b'{"tokens": 8, "seed": 18446744073709551616}',
+            b"[" * 100_000,
+        ):
+            bad = client.post("/forward", content=body)
+            assert bad.status_code == 400, (body[:40], bad.text)
 
         # The same block computed the old way, in this process, from the same files.
         tensors = moe_block.read_layer_tensors(checkpoint.root, layer)
@@ -284,6 +297,45 @@ def test_signal_during_load_cancels_cleanly(
     assert f"stopped by {sig.name}" in server.stdout, server.describe()
     assert "load complete" not in server.stdout, "the load finished before the signal"
     print(f"{sig.name} during the load: exited 0 after {took:.2f} s")
+
+
+def test_sigterm_while_generating_the_checkpoint_removes_it(tmp_path: Path) -> None:
+    # uvicorn's handlers come later: SIGTERM killed the process and left the checkpoint.
+    cmd = [sys.executable, str(EXAMPLES / "server.py"), "--size", "256MiB", "--port", "1"]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + LOAD_TIMEOUT
+    while not list(tmp_path.glob("asyncslab-server-*/*.safetensors")):
+        assert time.monotonic() < deadline, "generation never started"
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=EXIT_TIMEOUT * 3)
+    assert proc.returncode == 130, (out, err)
+    assert b"interrupted" in err
+    assert b"Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_that_cannot_be_planned_reports_500_with_every_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"\x01\x02\x03\x04")
+    with (
+        run_server(bad, tmp_path) as server,
+        httpx.Client(base_url=server.url, timeout=10.0) as client,
+    ):
+        status, body, _ = wait_up(client, server)  # every key checked, layer ones included
+        assert status == 500, body
+        assert body["layer"] is None
+        assert body["layer_bound"] is False
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(EXIT_TIMEOUT) == 0, server.describe()
 
 
 def test_failed_load_reports_500(tmp_path: Path) -> None:
