@@ -1035,7 +1035,7 @@ async def load(
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     slabs = into if into is not None else SlabSet(plan, device)
-    await slabs._after(slabs._task)  # an earlier load of these slabs still releasing
+    await slabs._after_earlier_loads()  # one of these slabs may still be releasing
     session = _Session(
         checkpoint,
         plan,

@@ -380,7 +380,7 @@ class SlabSet:
         options = options or LoadOptions()
         asyncio.get_running_loop()  # outside one, refused before the state changes
         self._begin(checkpoint, plan, options)
-        return self._spawn(self._run(checkpoint, options, on_unit_ready, progress, self._task))
+        return self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
 
     async def load(
         self,
@@ -398,7 +398,7 @@ class SlabSet:
         self._begin(checkpoint, plan, options)
         # A task of its own, so that aclose() can cancel this load and wait for its drain
         # (freeing the slabs under running reads would be a use-after-free).
-        task = self._spawn(self._run(checkpoint, options, on_unit_ready, progress, self._task))
+        task = self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
         try:
             return await task
         except asyncio.CancelledError:
@@ -501,15 +501,17 @@ class SlabSet:
         task.add_done_callback(settle)
         return task
 
-    async def _after(self, previous: asyncio.Task[SlabSet] | None) -> None:
-        """Wait for the load before this one to end. A failed or cancelled load is
+    async def _after_earlier_loads(self) -> None:
+        """Wait for every earlier load task to end. A failed or cancelled load is
         ``failed``/``cancelled`` (and a ready() caller may start the next) while its task
         still drains its threads: for up to ``read_timeout``, a stuck read may still write
         into the slabs, and only at the end of the drain is the SlabSet marked unusable.
         Waited for even if cancelled meanwhile: aclose() must not free the slabs under
         that read."""
-        if previous is not None and not previous.done():
-            await _uncancellable(asyncio.wait([previous]))
+        me = asyncio.current_task()
+        earlier = [task for task in self._live if task is not me and not task.done()]
+        if earlier:
+            await _uncancellable(asyncio.wait(earlier))
 
     def _delivered(self, error: BaseException | None) -> None:
         """A caller of ready() got the load's error as its cause: asyncio need not log the
@@ -570,7 +572,6 @@ class SlabSet:
         options: LoadOptions,
         on_unit_ready: UnitCallback | None,
         progress: ProgressCallback | None,
-        previous: asyncio.Task[SlabSet] | None,
     ) -> SlabSet:
         plan = self._run_plan
         generation = self._generation
@@ -591,7 +592,7 @@ class SlabSet:
         staging: StagingBuffers | None = None
         loaded = False
         try:
-            await self._after(previous)
+            await self._after_earlier_loads()
             if self._broken is not None:  # found by the previous load's release
                 raise LoadError(f"these slabs cannot be reused: {self._broken}")
             # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
