@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar
 
@@ -650,20 +650,26 @@ def _compare_files(
                 details.append(f"{name!r} ({why})")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Loaded:
+    stats: LoadStatistics
+    peak_rss: int | None  # of the process when the load ended (verification not counted)
+    verify: VerifyResult | None
+
+
 async def _load_and_verify(
     checkpoint: Checkpoint,
     p: Plan,
     *,
     device: str,
     options: LoadOptions,
-    progress: ProgressBar | None,
+    progress: Callable[[LoadStatistics], None],
     verify: bool,
-) -> tuple[LoadStatistics, VerifyResult | None]:
+) -> _Loaded:
     slabs = await load(checkpoint, p, device=device, options=options, progress=progress)
     async with slabs:
         stats = slabs.statistics()
-        if progress is not None:
-            progress.finish()
+        rss = peak_rss_bytes()
         result = None
         if verify:
             # On a thread, so that Ctrl-C (which cancels this task) is heard at once; the
@@ -673,7 +679,7 @@ async def _load_and_verify(
                 result = await asyncio.to_thread(verify_slabs, p, slabs, stop)
             finally:
                 stop.set()
-    return stats, result
+    return _Loaded(stats, rss, result)
 
 
 def _run_load(
@@ -684,12 +690,24 @@ def _run_load(
     options: LoadOptions,
     show_progress: bool,
     verify: bool,
-) -> tuple[LoadStatistics, VerifyResult | None]:
+    seen: list[LoadStatistics] | None = None,
+) -> _Loaded:
+    """Load (and verify); ``seen`` receives every progress snapshot, the last one also when
+    the load fails or is interrupted."""
     bar = ProgressBar(sys.stderr) if show_progress else None
+
+    def progress(stats: LoadStatistics) -> None:
+        if seen is not None:
+            seen[:] = [stats]
+        if bar is not None:
+            bar(stats)
+            if stats.state != "loading":
+                bar.finish()  # before verification's output, or the error's line
+
     try:
         return run_async(
             _load_and_verify(
-                checkpoint, p, device=device, options=options, progress=bar, verify=verify
+                checkpoint, p, device=device, options=options, progress=progress, verify=verify
             )
         )
     finally:
@@ -697,9 +715,8 @@ def _run_load(
             bar.finish()
 
 
-def _result_rows(
-    stats: LoadStatistics, p: Plan, verify: VerifyResult | None, rss: int | None
-) -> list[list[Any]]:
+def _result_rows(loaded: _Loaded, p: Plan) -> list[list[Any]]:
+    stats, verify, rss = loaded.stats, loaded.verify, loaded.peak_rss
     needed = stats.bytes_needed
     share = f" ({stats.bytes_read / needed * 100:.1f}%)" if needed else ""
     if stats.staging_budget:
@@ -814,7 +831,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             _out(table)
         _out()
         _out(f"loading into {args.device} slabs ...")
-        stats, verify = _run_load(
+        loaded = _run_load(
             checkpoint,
             p,
             device=args.device,
@@ -822,12 +839,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             show_progress=not args.no_progress,
             verify=True,
         )
+        verify = loaded.verify
         assert verify is not None
         _out()
         _out("result:")
-        _out(
-            format_table(_result_rows(stats, p, verify, peak_rss_bytes()), align="ll", indent="  ")
-        )
+        _out(format_table(_result_rows(loaded, p), align="ll", indent="  "))
         _out()
         if kept:
             _out(f"kept {root}; load it again with: asyncslab load {root} --verify")
@@ -883,45 +899,97 @@ def _cmd_load(args: argparse.Namespace) -> int:
         streams=args.streams,
         transfer=args.transfer,
     )
-    checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
-    if json_path is not None and json_path.resolve() in {f.path.resolve() for f in p.files}:
-        raise UsageError(f"--json {json_path} is a file of the checkpoint")
-    stats, verify = _run_load(
-        checkpoint,
-        p,
-        device=args.device,
-        options=options,
-        show_progress=not args.no_progress,
-        verify=args.verify,
-    )
-    rss = peak_rss_bytes()
+    seen: list[LoadStatistics] = []
+    p: Plan | None = None
+    try:
+        checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
+        if json_path is not None and json_path.resolve() in {f.path.resolve() for f in p.files}:
+            json_path = None  # not overwritten with the failure either
+            raise UsageError(f"--json {args.json} is a file of the checkpoint")
+        loaded = _run_load(
+            checkpoint,
+            p,
+            device=args.device,
+            options=options,
+            show_progress=not args.no_progress,
+            verify=args.verify,
+            seen=seen,
+        )
+    except BaseException as err:
+        if json_path is not None and (p is not None or _holds_json_or_nothing(json_path)):
+            # A script reading the file after a non-zero exit must not find an earlier
+            # run's "complete" there: this run's outcome, with what it had loaded. (Before
+            # a plan, the checkpoint's files are unknown: only a report is replaced.)
+            state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
+            with contextlib.suppress(OSError):
+                _write_json(json_path, _load_report(path, p, options, seen, state, err))
+        raise
+    verify = loaded.verify
     # The JSON and the verdict first: a reader of stdout that left early loses neither.
     if verify is not None and not verify.ok:
         _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
     if json_path is not None:
-        doc: dict[str, Any] = dataclasses.asdict(stats)
-        doc.update(
-            gbps=stats.gbps,
-            peak_rss_bytes=rss,
-            verify=verify.as_dict() if verify is not None else None,
-            checkpoint=str(path),
-            plan={
-                "bytes": p.nbytes,
-                "slabs": len(p.slabs),
-                "tensors_routed": len(p.routes),
-                "fingerprint": p.fingerprint,
-            },
-            options=dataclasses.asdict(options),
-        )
-        json_path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n", encoding="utf-8")
+        _write_json(json_path, _load_report(path, p, options, [loaded.stats], None, None, loaded))
     try:
         _out(f"loaded {path}:")
-        _out(format_table(_result_rows(stats, p, verify, rss), align="ll", indent="  "))
+        _out(format_table(_result_rows(loaded, p), align="ll", indent="  "))
     except BrokenPipeError:
         if verify is not None and not verify.ok:
             return 1  # the verdict outranks the reader that left
         raise
     return 1 if verify is not None and not verify.ok else 0
+
+
+def _load_report(
+    path: Path,
+    p: Plan | None,
+    options: LoadOptions,
+    seen: Sequence[LoadStatistics],
+    state: str | None,
+    error: BaseException | None,
+    loaded: _Loaded | None = None,
+) -> dict[str, Any]:
+    """What ``--json`` holds: the load's statistics (the last seen, for a load that broke),
+    the plan, the options and, after a failure, the error that ended the command."""
+    doc: dict[str, Any] = dataclasses.asdict(seen[-1]) if seen else {}
+    if state is not None:
+        if doc.get("state") in (None, "loading"):  # broke before or outside the load
+            doc["state"] = state
+        # The error that ended the command (a load that completed keeps its state: the
+        # command may have failed after it, in verification).
+        doc["error"] = str(error) or type(error).__name__
+    doc.update(
+        gbps=seen[-1].gbps if seen else None,
+        peak_rss_bytes=loaded.peak_rss if loaded is not None else peak_rss_bytes(),
+        verify=loaded.verify.as_dict() if loaded is not None and loaded.verify else None,
+        checkpoint=str(path),
+        plan=None
+        if p is None
+        else {
+            "bytes": p.nbytes,
+            "slabs": len(p.slabs),
+            "tensors_routed": len(p.routes),
+            "fingerprint": p.fingerprint,
+        },
+        options=dataclasses.asdict(options),
+    )
+    return doc
+
+
+def _holds_json_or_nothing(path: Path) -> bool:
+    """Whether ``path`` is absent or starts as this command's reports do (as a little-endian
+    header length, these bytes would claim a 538 MB header: no valid safetensors file)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(5) == b'{\n  "'
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n", encoding="utf-8")
 
 
 def _check_json_path(path: Path) -> None:

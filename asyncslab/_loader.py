@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import inspect
+import math
 import operator
 import os
 import time
@@ -78,6 +80,9 @@ class LoadOptions:
     those paths without a GPU (slower than direct). Mapped reads are cut at multiples of
     ``staging_bytes // staging_buffers`` and run on ``staging_buffers`` threads, as staged
     ones.
+    ``progress_interval``: seconds between two calls of a load's progress callback while
+    it runs (it is also called at the end); 0 calls it on every read that lands, and only
+    then.
     ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
     to leave storage bandwidth to a neighbour — or to watch a small load in slow motion.
     """
@@ -107,6 +112,8 @@ class LoadOptions:
             )
         if not 0 <= self.io_nice <= 19:
             raise ValueError("LoadOptions.io_nice must be in 0..19 (raising priority needs root)")
+        if not 0 <= self.progress_interval < math.inf:  # NaN included
+            raise ValueError("LoadOptions.progress_interval must be a finite number >= 0")
         if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
             raise ValueError("LoadOptions.max_bytes_per_s must be positive")
         if self.transfer not in _TRANSFERS:
@@ -148,10 +155,13 @@ class LoadStatistics:
 
     @property
     def eta_s(self) -> float | None:
+        """Seconds left at the average rate so far; ``None`` until 1 % has landed and a
+        second has passed: a first small read says nothing of the rate (a slow first read
+        of a 100 GiB load would give an ETA of a day)."""
         if self.bytes_landed == 0 or self.state != "loading":
             return None
-        if self.elapsed_s < 1.0 and self.bytes_landed * 100 < self.bytes_needed:
-            return None  # a first small read says nothing of the rate: no 70-hour ETA
+        if self.elapsed_s < 1.0 or self.bytes_landed * 100 < self.bytes_needed:
+            return None
         rate = self.bytes_landed / self.elapsed_s
         return (self.bytes_needed - self.bytes_landed) / rate
 
@@ -379,6 +389,7 @@ class SlabSet:
         :meth:`aclose` cancels it). ``ready()`` and ``statistics()`` work at once."""
         options = options or LoadOptions()
         asyncio.get_running_loop()  # outside one, refused before the state changes
+        _check_progress(progress)
         self._begin(checkpoint, plan, options)
         return self._spawn(self._run(checkpoint, options, on_unit_ready, progress))
 
@@ -395,6 +406,7 @@ class SlabSet:
         complete. ``plan`` (default: the one the slabs were made for) may be another
         checkpoint's plan with the same slab layout."""
         options = options or LoadOptions()
+        _check_progress(progress)
         self._begin(checkpoint, plan, options)
         # A task of its own, so that aclose() can cancel this load and wait for its drain
         # (freeing the slabs under running reads would be a use-after-free).
@@ -642,10 +654,9 @@ class SlabSet:
                     self._tracker.begin(unit_done)
                     for route in sched.empty:
                         self._tracker.land(route, 0)
-                    ticker = _Ticker(progress, options.progress_interval, self.statistics)
                     workers = min(workers, max(1, len(sched.ops)))
                     tg.create_task(
-                        self._read_all(sched.ops, paths, read_one, pool, options, workers, ticker)
+                        self._read_all(sched.ops, paths, read_one, pool, options, workers, progress)
                     )
             except BaseExceptionGroup as group:
                 error = _first_error(group)
@@ -678,16 +689,31 @@ class SlabSet:
             except asyncio.CancelledError:
                 if loaded:  # every unit had landed; the cancel came while releasing
                     self._finish("complete")
+                self._report_end(progress, generation)
                 raise
+            if not loaded:
+                self._report_end(progress, generation)
         self._finish("complete")
         if progress is not None:
             try:
-                progress(self.statistics())
+                _refuse_awaitable(progress(self.statistics()), "progress")
             except Exception as err:  # as one during the load: the load failed
                 wrapped = LoadError(f"load failed: {err!r}")
                 self._finish("failed", wrapped)
                 raise wrapped from err
         return self
+
+    def _report_end(self, progress: ProgressCallback | None, generation: int) -> None:
+        """The final progress call of a load that failed or was cancelled: without it, a bar
+        or a health check fed by the callback would go on saying "loading"."""
+        if progress is None or self._generation != generation:  # a later load began
+            return
+        try:
+            _refuse_awaitable(progress(self.statistics()), "progress")
+        except Exception:
+            # The load has failed already, with the error that matters; a callback that
+            # also fails to report it must not replace that error.
+            pass
 
     async def _release_load(
         self,
@@ -835,7 +861,7 @@ class SlabSet:
         pool: IoPool,
         options: LoadOptions,
         workers: int,
-        ticker: _Ticker,
+        progress: ProgressCallback | None,
     ) -> None:
         """Every read of ``ops``, by ``workers`` I/O threads that each take the next read
         themselves (``read_one(thread, index)``) and report it here without waiting (see
@@ -851,6 +877,12 @@ class SlabSet:
         me = asyncio.current_task()
         land = self._tracker.land
         broken: list[BaseException] = []
+
+        def fail(err: BaseException) -> None:
+            broken.append(err)
+            feed.stop()
+
+        ticker = _Ticker(progress, options.progress_interval, self.statistics, fail)
 
         def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
             # A load that is over or being torn down (this task cancelled: the load was
@@ -868,8 +900,7 @@ class SlabSet:
                 self._bytes_landed += total
                 ticker.tick()
             except Exception as err:  # a landing or progress-callback error ends the load
-                broken.append(err)
-                feed.stop()
+                fail(err)
 
         def drive(worker: int) -> None:  # on an I/O thread
             try:
@@ -895,8 +926,11 @@ class SlabSet:
                     tg.create_task(_watch(feed, drives, options.read_timeout, ops, paths))
         finally:
             feed.stop()
+            ticker.close()
         if broken:
             raise broken[0]
+        if not (me is not None and me.cancelling()):
+            ticker.flush()
 
 
 _ReadOne = Callable[[int, int], int]
@@ -972,26 +1006,98 @@ def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, 
 
 
 class _Ticker:
-    """Calls the progress callback at most every ``interval`` seconds."""
+    """Calls the progress callback while the reads run: at once for a read that lands
+    ``interval`` seconds or more after the last call, else from a timer at the end of that
+    interval — so the latest figures go out within one interval even if nothing lands
+    after them (a stalled read, the last read), and a stall still shows (elapsed time,
+    falling rate). ``interval`` 0 calls on every landing, and only then.
+
+    A callback failing fails the load: on a landing, the caller's error handling sees it;
+    from the timer, ``fail`` gets it."""
 
     def __init__(
         self,
         callback: ProgressCallback | None,
         interval: float,
         snapshot: Callable[[], LoadStatistics],
+        fail: Callable[[BaseException], None],
     ) -> None:
         self._callback = callback
         self._interval = interval
         self._snapshot = snapshot
-        self._last = 0.0
+        self._fail = fail
+        self._last = time.perf_counter()
+        self._sent = True  # nothing landed since the last call
+        self._timer: asyncio.TimerHandle | None = None
+        if callback is not None and interval > 0:
+            self._timer = asyncio.get_running_loop().call_later(interval, self._beat)
 
     def tick(self) -> None:
+        """A read landed (on the loop thread)."""
         if self._callback is None:
             return
+        self._sent = False
         now = time.perf_counter()
         if now - self._last >= self._interval:
-            self._last = now
-            self._callback(self._snapshot())
+            self._send(now)
+
+    def close(self) -> None:
+        """The reads ended: no more calls from the timer."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def flush(self) -> None:
+        """Send what landed since the last call (the reads ended well: the figures of the
+        last reads go out now, not after the unit callbacks)."""
+        if self._callback is not None and not self._sent:
+            self._send(time.perf_counter())
+
+    def _send(self, now: float) -> None:
+        assert self._callback is not None
+        self._last = now
+        self._sent = True
+        result: object = self._callback(self._snapshot())
+        _refuse_awaitable(result, "progress")
+
+    def _beat(self) -> None:
+        now = time.perf_counter()
+        wait = self._last + self._interval - now
+        if wait <= 0:
+            try:
+                self._send(now)
+            except Exception as err:
+                self._timer = None
+                self._fail(err)
+                return
+            wait = self._interval
+        self._timer = asyncio.get_running_loop().call_later(wait, self._beat)
+
+
+def _check_progress(progress: ProgressCallback | None) -> None:
+    if progress is None:
+        return
+    if not callable(progress):
+        raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+    if inspect.iscoroutinefunction(progress) or inspect.iscoroutinefunction(
+        type(progress).__call__  # an object with an async __call__
+    ):
+        raise TypeError(
+            "progress is an async function; the loader calls it without awaiting (it must "
+            "not hold the load up), so it must be a plain function"
+        )
+
+
+def _refuse_awaitable(result: object, what: str) -> None:
+    """A callback the loader calls without awaiting returned an awaitable (an ``async def``
+    given as ``progress``): it would never run, silently."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # no "never awaited" warning on top of the error
+        raise TypeError(
+            f"the {what} callback returned {type(result).__name__}; it is called without "
+            "being awaited, so it must be a plain function"
+        )
 
 
 async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:

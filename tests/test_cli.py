@@ -9,10 +9,12 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -572,9 +574,9 @@ def test_verify_runs_off_the_event_loop_and_stops_when_asked(
         return real(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_cli, "verify_slabs", recording)
-    _, result = _cli._run_load(
+    result = _cli._run_load(
         ckpt, plan, device="cpu", options=asyncslab.LoadOptions(), show_progress=False, verify=True
-    )
+    ).verify
     assert result is not None
     assert result.ok
     assert threads
@@ -694,3 +696,70 @@ def test_demo_on_cuda_without_cuda_fails_before_writing(
     assert main(["demo", "--device", "cuda", "--dir", str(target)]) == 2
     assert_one_error_line(capsys.readouterr().err, "CUDA is not available")
     assert list(target.iterdir()) == []
+
+
+@pytest.mark.parametrize("fails", ["in a read", "by Ctrl-C"])
+def test_a_load_that_fails_replaces_an_earlier_json_and_the_bar_says_so(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    fails: str,
+) -> None:
+    # The JSON was written only after a load that succeeded: after a failure (exit 2) the
+    # file of an earlier run stayed, saying "complete"; the bar's last line said "loading".
+    from asyncslab import _copy
+    from asyncslab._read import pread_scatter
+
+    report = tmp_path / "stats.json"
+    args = ["load", str(checkpoint.root), "--json", str(report), "--read-mb", "0.0625"]
+    assert main([*args, "--no-progress"]) == 0
+    assert json.loads(report.read_text())["state"] == "complete"
+    capsys.readouterr()
+    calls = iter(range(1_000_000))
+
+    def read(*a: object, **kw: object) -> int:
+        if next(calls) == 3:
+            if fails == "by Ctrl-C":
+                os.kill(os.getpid(), signal.SIGINT)  # the loop cancels the load
+                time.sleep(0.05)
+            else:
+                raise asyncslab.ReadError("injected EIO", file=str(kw["path"]))
+        return pread_scatter(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_copy, "pread_scatter", read)
+    assert main(args) == (2 if fails == "in a read" else 130)
+    doc = json.loads(report.read_text())
+    plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
+    if fails == "in a read":
+        assert doc["state"] == "failed"
+        assert "injected EIO" in doc["error"]
+    else:
+        assert doc["state"] == "cancelled"
+        assert doc["error"] == "KeyboardInterrupt"
+    assert 0 < doc["bytes_landed"] < plan.nbytes == doc["plan"]["bytes"]
+    assert doc["verify"] is None
+    err = capsys.readouterr().err
+    bar_lines = [line for line in err.splitlines() if "%" in line]
+    assert bar_lines[-1].split()[0] == doc["state"]
+
+
+def test_a_plan_that_fails_replaces_an_earlier_json_but_never_another_file(
+    checkpoint: SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    target = copy_checkpoint(checkpoint, tmp_path / "ckpt")
+    report = tmp_path / "stats.json"
+    assert main(["load", str(target), "--no-progress", "--json", str(report)]) == 0
+    shard = target / checkpoint.files[0].name
+    shard.write_bytes(b"\x05" + shard.read_bytes()[1:])  # a header length past the file
+    assert main(["load", str(target), "--no-progress", "--json", str(report)]) == 2
+    doc = json.loads(report.read_text())
+    assert doc["state"] == "failed"
+    assert checkpoint.files[0].name in doc["error"]
+    assert doc["plan"] is None
+    assert "bytes_landed" not in doc  # nothing was loaded: no load figures at all
+    # Before a plan the checkpoint's files are unknown: a file that is not a report stays.
+    other = tmp_path / "notes.txt"
+    other.write_text("mine")
+    assert main(["load", str(target), "--no-progress", "--json", str(other)]) == 2
+    assert other.read_text() == "mine"
