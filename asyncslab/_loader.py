@@ -35,7 +35,7 @@ from ._errors import (
     ReadTimeoutError,
     first_line,
 )
-from ._format import Checkpoint
+from ._format import Checkpoint, _gc_paused
 from ._mapped import PAGE, CudaRegistry, Mappings, PopulateRegistry, Registry, transfer
 from ._plan import Plan
 from ._read import IoPool, ReadFeed, Scatter, retrieve
@@ -756,6 +756,10 @@ class SlabSet:
     def _plan_reads(self, key: tuple[Transfer, int, int]) -> _Reads:
         """Runs on an I/O thread: the reads of a transfer and, for direct reads, the
         destinations of every read (the backing never moves while this SlabSet is open)."""
+        with _gc_paused():  # many small objects, none cyclic (see _format)
+            return self._plan_reads_now(key)
+
+    def _plan_reads_now(self, key: tuple[Transfer, int, int]) -> _Reads:
         transfer, read_size, gap = key
         plan = self._run_plan
         if transfer == "mapped":

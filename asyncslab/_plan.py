@@ -32,7 +32,7 @@ from ._errors import (
     ShapeMismatchError,
     UnmatchedTensorError,
 )
-from ._format import Checkpoint, ShardFile, TensorInfo, safetensors_dtype
+from ._format import Checkpoint, ShardFile, TensorInfo, _gc_paused, safetensors_dtype
 
 __all__ = [
     "SlabSpec",
@@ -315,6 +315,21 @@ def plan(
     regular expressions (full match) for tensors deliberately not loaded. Tensors no rule
     claims are an error unless ``unmatched="ignore"`` — never silently dropped.
     """
+    # Routes, specs and their tuples are many small objects, none cyclic: the cyclic
+    # collector walking them again and again took 35 % of planning 14,000 tensors and 40-60 %
+    # of planning 50,000 (as when opening, see _format).
+    with _gc_paused():
+        return _plan(checkpoint, rules, ignore, unmatched, tier_map, rank)
+
+
+def _plan(
+    checkpoint: Checkpoint,
+    rules: Sequence[Rule] | None,
+    ignore: Iterable[str],
+    unmatched: Literal["error", "ignore"],
+    tier_map: Mapping[int, Mapping[int, int]] | str | Path | None,
+    rank: int | None,
+) -> Plan:
     if rules is None:
         from ._rules import default_rules
 

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncslab import (
     Checkpoint,
+    Claim,
     CoverageError,
     Dense,
     DtypeMismatchError,
@@ -32,6 +33,7 @@ from asyncslab import (
     PlanError,
     ShapeMismatchError,
     Stack,
+    TensorInfo,
     TieredMoE,
     TierMapError,
     UnmatchedTensorError,
@@ -988,3 +990,34 @@ def test_a_tier_map_contradicting_n_experts_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TierMapError, match="n_experts=8 says 0..7"):
         plan(Checkpoint.open(tmp_path), rules=[TieredMoE(tier_map=tier_map, n_experts=8), Dense()])
     plan(Checkpoint.open(tmp_path), rules=[TieredMoE(tier_map=tier_map, n_experts=4), Dense()])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planning_pauses_the_cyclic_collector_and_restores_it(
+    moe_checkpoint: SyntheticCheckpoint, enabled: bool
+) -> None:
+    # The collector walked the plan's objects again and again (35-60 % of planning time);
+    # planning pauses it, and must leave it as the caller had it, also when it fails.
+    import gc
+
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    seen: list[bool] = []
+
+    class Spy(Dense):
+        def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+            seen.append(gc.isenabled())
+            return super().claim(checkpoint, pending)
+
+    was = gc.isenabled()
+    try:
+        if not enabled:
+            gc.disable()
+        plan(ckpt, [Spy()])
+        assert seen == [False]
+        assert gc.isenabled() is enabled
+        with pytest.raises(PlanError):
+            plan(ckpt, [Spy()], unmatched="nonsense")  # type: ignore[arg-type]
+        assert gc.isenabled() is enabled
+    finally:
+        if was:
+            gc.enable()
