@@ -530,6 +530,9 @@ class _Session:
             "error": None,
         }
         try:
+            # Checked here, not before the pre-flight: a rank refusing on its own would leave
+            # the others waiting in it until the group's timeout.
+            _check_chunk_bytes(self.chunk_bytes)
             if self.share:
                 hello["ranges"] = _pack(_needed_ranges(self.plan))
                 self.slabs._begin(self.checkpoint, self.plan, self.options)
@@ -746,6 +749,12 @@ class _Session:
         self.slabs._staging_budget = nbuf * size * (2 if self.comm_cuda else 1)
         self.slabs._staging_peak = self.slabs._staging_budget
         routes = _RouteIndex(self.plan, self.slabs)
+        # Zero-byte routes lie in no chunk: they land now, as the loader lands them without
+        # a read (else their units never complete). Queued before any chunk's landing.
+        try:
+            self.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
+        except RuntimeError:  # the loop is closed
+            raise _Abandoned from None
         cond = threading.Condition()
         state = {"done": 0, "stop": False}
         filled: dict[int, BaseException | None] = {}
@@ -845,6 +854,17 @@ class _Session:
             raise _CollectiveFailed(f"chunk {k} broadcast", err) from err
 
     def _deliver(self, chunk: _Chunk, buffer: torch.Tensor, routes: _RouteIndex) -> None:
+        """:meth:`_copy_out`, its failure this rank's error: raised out of the protocol, it
+        would skip this rank's remaining collectives and leave the others waiting in them."""
+        try:
+            self._copy_out(chunk, buffer, routes)
+        except _Abandoned:
+            raise
+        except Exception as err:
+            if self.local_error is None:
+                self.local_error = err
+
+    def _copy_out(self, chunk: _Chunk, buffer: torch.Tensor, routes: _RouteIndex) -> None:
         """Copy every overlap of the chunk with this rank's routes into its slot, then land
         those bytes (on the loop, in order)."""
         landed: list[tuple[int, int]] = []
@@ -864,6 +884,16 @@ class _Session:
             self.loop.call_soon_threadsafe(self._land, landed)
         except RuntimeError:
             raise _Abandoned from None
+
+    def _begin_landing(self, empty: Sequence[int]) -> None:
+        if self.abandoned or self.local_error is not None:
+            return
+        try:
+            self.slabs._tracker.begin(None)  # completes units without routes, as the loader
+            for route in empty:
+                self.slabs._tracker.land(route, 0)
+        except AsyncSlabError as err:
+            self.local_error = err
 
     def _land(self, landed: list[tuple[int, int]]) -> None:
         if self.abandoned or self.local_error is not None:
@@ -913,6 +943,7 @@ class _RouteIndex:
         index = {f.path: i for i, f in enumerate(plan.files)}
         per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
         route_base = slabs._route_base
+        self.empty = [i for i, r in enumerate(plan.routes) if not r.nbytes]
         for i, r in enumerate(plan.routes):
             if r.nbytes:
                 per_file.setdefault(index[r.file], []).append(
@@ -958,9 +989,12 @@ def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str
             )
     tags = [h["tag"] for h in hellos]
     if any(t is not None for t in tags):
+        tagged = next(h["rank"] for h, t in zip(hellos, tags, strict=True) if t is not None)
         for h, t in zip(hellos, tags, strict=True):
             if t is None:
-                problems.setdefault(h["rank"], "its plan was not made by rank_plan, rank 0's was")
+                problems.setdefault(
+                    h["rank"], f"its plan was not made by rank_plan, rank {tagged}'s was"
+                )
             elif (t["rank"], t["world"]) != (h["rank"], world):
                 problems.setdefault(
                     h["rank"],
@@ -983,6 +1017,16 @@ def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str
                         f"{first['fingerprint']}",
                     )
     return problems
+
+
+def _check_chunk_bytes(chunk_bytes: object) -> None:
+    # bool is an int, and a float equal to an int passes the pre-flight's comparison, then
+    # fails in torch.empty on one rank only (its peers waiting in the first broadcast).
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ValueError(
+            f"chunk_bytes must be a positive int, got {chunk_bytes!r} "
+            f"({type(chunk_bytes).__name__})"
+        )
 
 
 def _sharing(key: tuple[Any, ...]) -> str:
@@ -1032,8 +1076,6 @@ async def load(
     if dist.get_rank(group) < 0:
         raise LoadError("this process is not a member of the given process group")
     options = options or LoadOptions()
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     slabs = into if into is not None else SlabSet(plan, device)
     await slabs._after_earlier_loads()  # one of these slabs may still be releasing
     session = _Session(
@@ -1153,5 +1195,14 @@ async def _release(session: _Session, owned: bool) -> None:
         session.fds.clear()
     if owned:
         await slabs.aclose()
+    elif slabs._closed:
+        pass  # closed by its owner meanwhile: nothing is handed out
     elif slabs.state == "complete":
         slabs.reset()
+    elif slabs.state in ("failed", "cancelled"):
+        # Failed or cancelled: the tracker keeps the units that completed before the break,
+        # and slab() would hand them out on this rank alone. Keep the error (ready() raises
+        # with it) but no completed unit.
+        error = slabs._tracker.error or LoadError("distributed load failed")
+        slabs._tracker.reset()
+        slabs._tracker.fail(error)

@@ -464,6 +464,121 @@ async def _modes_then_faults(rank: int, world: int, root: Path, result: dict[str
 SCENARIOS["modes+faults"] = _modes_then_faults
 
 
+def _after(n: int, behaviour: Callable[[], None]) -> Callable[[], None]:
+    """``behaviour`` from the ``n``-th call on."""
+    calls = [0]
+
+    def counted() -> None:
+        calls[0] += 1
+        if calls[0] >= n:
+            behaviour()
+
+    return counted
+
+
+async def _attempt(load: Awaitable[distributed.DistributedLoad]) -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        result = await load
+    except BaseException as err:
+        return _error(err, started)
+    await result.aclose()
+    return {"type": None}
+
+
+async def _edges(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Edge cases, each in its own entry; a case that breaks the group comes last."""
+    out: dict[str, Any] = result.setdefault("edges", {})
+    # A checkpoint holding a zero-size tensor: its route lands without a byte to share.
+    zero = Checkpoint.open(root / "zero")
+    plan = distributed.rank_plan(zero, mode="replicated")
+    for share in (False, True):
+        try:
+            loaded = await distributed.load(zero, plan, share_reads=share, chunk_bytes=1000)
+        except BaseException as err:
+            out[f"zero/{share}"] = _error(err, time.perf_counter())
+        else:
+            async with loaded:
+                out[f"zero/{share}"] = {"type": None, "state": loaded.slabs.state}
+                out[f"zero/{share}"].update(_verify(loaded.slabs, zero))
+    # A failed load into given slabs leaves none of their units complete, whichever rank
+    # failed and however far its units got.
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    slow = LoadOptions(read_size=32 << 10, coalesce_gap=0, io_workers=1)
+    for share in (False, True):
+        into = asyncslab.SlabSet(plan)
+        undo = _patch_preadv(_after(40, _eio)) if rank == 1 else (lambda: None)
+        try:
+            got = await _attempt(
+                distributed.load(
+                    ckpt, plan, into=into, share_reads=share, options=slow, chunk_bytes=32 << 10
+                )
+            )
+        finally:
+            undo()
+        handed_out = []
+        for name in plan.slabs:
+            try:
+                into.slab(name)
+                handed_out.append(name)
+            except asyncslab.IncompleteLoadError:
+                pass
+        got.update(
+            into_state=into.state,
+            units_complete=into.statistics().units_complete,
+            handed_out=handed_out,
+        )
+        out[f"into/{share}"] = got
+        await into.aclose()
+    # Rank 0's plan is the one not made by rank_plan.
+    plain = asyncslab.plan(ckpt) if rank == 0 else plan
+    out["plain-plan-on-rank-0"] = await _attempt(distributed.load(ckpt, plain))
+    # chunk_bytes that is not a positive int, on every rank or on one (the small checkpoint:
+    # True was taken for 1, a broadcast per byte).
+    plan = distributed.rank_plan(zero, mode="replicated")
+    out["chunk-bool"] = await _attempt(
+        distributed.load(zero, plan, share_reads=True, chunk_bytes=True)
+    )
+    out["chunk-float-on-rank-1"] = await _attempt(
+        distributed.load(
+            zero, plan, share_reads=True, chunk_bytes=(1 << 20) if rank == 0 else float(1 << 20)
+        )
+    )
+    if "collective failed" in out["chunk-float-on-rank-1"].get("message", ""):
+        result["group_broken"] = True
+    # Still in step: a good shared load.
+    out["after"] = await _attempt(distributed.load(zero, plan, share_reads=True))
+
+
+SCENARIOS["edges"] = _edges
+
+
+async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1's copy out of a broadcast chunk raises (as a CUDA copy might)."""
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    if rank == 1:
+        real = distributed._RouteIndex.overlaps
+        calls = [0]
+
+        def overlaps(self: Any, seg: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 5:
+                raise RuntimeError("copy broke (injected)")
+            return real(self, seg)
+
+        distributed._RouteIndex.overlaps = overlaps  # type: ignore[method-assign]
+    result["outcome"] = await _attempt(
+        distributed.load(ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK)
+    )
+    if "collective failed" in result["outcome"].get("message", ""):
+        result["group_broken"] = True
+
+
+SCENARIOS["copy-fails"] = _copy_fails
+
+
 # --- tests: modes --------------------------------------------------------------------------
 
 
@@ -511,8 +626,8 @@ def _check_modes(results: list[dict[str, Any] | None], world: int) -> None:
             assert union == replicated_union
             assert sum(s["read"] for s in share) * world == sum(o["read"] for o in own)
         else:
-            if mode != "rows":  # Plan.fingerprint does not see which rows a route carries
-                assert len({o["fingerprint"] for o in own}) == world, mode
+            # Each rank's plan differs (in rows mode by the slice each route carries).
+            assert len({o["fingerprint"] for o in own}) == world, mode
             # A rank reads only its part, and together the ranks cover the checkpoint.
             whole = total["sliced" if mode == "pre-sliced" else "whole"]
             assert all(o["needed"] < whole for o in own), mode
@@ -757,3 +872,88 @@ def test_error_names_ranks_and_pickles() -> None:
     assert clone.ranks == (1,)
     assert clone.errors == {1: "ReadError: boom"}
     assert str(clone) == str(err)
+
+
+# --- tests: edge cases (one spawn, checked case by case) -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def edges(tmp_path_factory: pytest.TempPathFactory, checkpoints2: Path) -> list[dict[str, Any]]:
+    from safetensors.torch import save_file
+
+    zero = checkpoints2 / "zero"
+    if not zero.exists():
+        zero.mkdir()
+        tensors = {"a.weight": torch.zeros(0), "c.weight": torch.arange(1000, dtype=torch.float32)}
+        save_file(tensors, str(zero / "model.safetensors"))
+    results = _spawn(tmp_path_factory.mktemp("edges"), 2, "edges", checkpoints2, wait=100)
+    assert all(r is not None for r in results)
+    return [r["edges"] for r in results if r is not None]
+
+
+@pytest.mark.timeout(150)
+def test_shared_load_of_a_checkpoint_with_a_zero_size_tensor(edges: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(edges):
+        for share in (False, True):
+            loaded = got[f"zero/{share}"]
+            assert loaded["type"] is None, (rank, share, loaded)
+            assert loaded["state"] == "complete"
+            assert loaded["checked"] == 2
+            assert loaded["mismatched"] == []
+
+
+@pytest.mark.timeout(150)
+def test_a_failed_load_into_given_slabs_leaves_no_unit_complete(
+    edges: list[dict[str, Any]],
+) -> None:
+    for rank, got in enumerate(edges):
+        for share in (False, True):
+            failed = got[f"into/{share}"]
+            assert failed["type"] == "DistributedLoadError", (rank, share, failed)
+            assert failed["ranks"] == [1], failed
+            assert failed["units_complete"] == 0, (rank, share, failed)
+            assert failed["handed_out"] == [], (rank, share, failed)
+            assert failed["into_state"] in ("empty", "failed"), failed
+
+
+@pytest.mark.timeout(150)
+def test_an_error_names_the_rank_whose_plan_rank_plan_made(edges: list[dict[str, Any]]) -> None:
+    for got in edges:
+        failed = got["plain-plan-on-rank-0"]
+        assert failed["type"] == "DistributedLoadError", failed
+        assert failed["ranks"] == [0], failed
+        expected = "failed on rank 0 of 2: its plan was not made by rank_plan, rank 1's was"
+        assert expected in failed["message"], failed["message"]
+
+
+@pytest.mark.timeout(150)
+def test_chunk_bytes_that_is_not_a_positive_int_fails_every_rank_before_loading(
+    edges: list[dict[str, Any]],
+) -> None:
+    for rank, got in enumerate(edges):
+        both = got["chunk-bool"]
+        assert both["type"] == "DistributedLoadError", (rank, both)
+        assert both["ranks"] == [0, 1], both
+        assert "chunk_bytes must be a positive int, got True (bool)" in both["message"]
+        assert both["cause"] == "ValueError"
+        one = got["chunk-float-on-rank-1"]
+        assert one["type"] == "DistributedLoadError", (rank, one)
+        assert one["ranks"] == [1], one
+        assert "chunk_bytes must be a positive int, got 1048576.0 (float)" in one["message"]
+        assert "before loading" in one["message"]
+        assert one["cause"] == ("ValueError" if rank == 1 else None)
+        assert got["after"] == {"type": None}, (rank, got["after"])
+
+
+@pytest.mark.timeout(90)
+def test_a_copy_failing_on_one_rank_fails_every_rank_in_step(
+    tmp_path: Path, checkpoints2: Path
+) -> None:
+    results = _spawn(tmp_path, 2, "copy-fails", checkpoints2, pg_timeout=HUNG_PG_TIMEOUT, wait=60)
+    for rank, r in enumerate(results):
+        assert r is not None, rank
+        got = r["outcome"]
+        assert got["type"] == "DistributedLoadError", (rank, got)
+        assert got["ranks"] == [1], (rank, got)
+        assert "failed on rank 1 of 2: RuntimeError: copy broke (injected)" in got["message"]
+        assert got["cause"] == ("RuntimeError" if rank == 1 else None)
