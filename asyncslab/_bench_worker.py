@@ -5,7 +5,9 @@ memory, the allocator's free lists and the first touch of fresh pages belong to 
 contender alone. The task comes as one JSON argument; the result is one JSON line on stdout
 after :data:`RESULT_MARK`. Everything before the timed region (imports, opening the
 checkpoint, planning, allocation of pre-touched memory) is untimed; the timed region is
-what a server start would pay for that contender.
+the load a server start would pay for that contender, less asyncslab's opening and planning
+of the checkpoint (``plan_s`` in each record; the parent reports the sum too) — the others
+parse their headers inside their clocks.
 """
 
 from __future__ import annotations
@@ -150,27 +152,35 @@ def pretouched_passes(task: dict[str, Any]) -> int:
 
 
 def sample_routes(plan: Any, k: int) -> list[Any]:
+    """``k`` routes evenly spread over the plan; every route for ``k`` < 0."""
     routes = plan.routes
-    if not routes or k <= 0:
+    if k < 0:
+        return list(routes)
+    if not routes or k == 0:
         return []
     step = max(1, len(routes) // k)
     return [routes[i] for i in range(0, len(routes), step)][:k]
 
 
 def verify(plan: Any, get_slot: Callable[[Any], torch.Tensor], k: int) -> int:
-    """Compare ``k`` sampled slots with what safetensors reads; returns how many matched."""
+    """Compare ``k`` sampled slots (every slot for ``k`` < 0) with what safetensors reads;
+    returns how many matched (a mismatch raises)."""
     from safetensors import safe_open
 
-    ok = 0
+    by_file: dict[str, list[Any]] = defaultdict(list)
     for route in sample_routes(plan, k):
-        with safe_open(str(route.file), framework="pt") as f:
-            expected = f.get_tensor(route.tensor)
-        got = get_slot(route)
-        a = got.contiguous().reshape(-1).view(torch.uint8)
-        b = expected.contiguous().reshape(-1).view(torch.uint8)
-        if a.shape != b.shape or not torch.equal(a, b):
-            raise AssertionError(f"{route.tensor}: bytes differ from safetensors")
-        ok += 1
+        by_file[str(route.file)].append(route)
+    ok = 0
+    for path, routes in by_file.items():
+        with safe_open(path, framework="pt") as f:  # zero-copy views of a mapped file
+            for route in routes:
+                expected = f.get_tensor(route.tensor)
+                got = get_slot(route)
+                a = got.contiguous().reshape(-1).view(torch.uint8)
+                b = expected.contiguous().reshape(-1).view(torch.uint8)
+                if a.shape != b.shape or not torch.equal(a, b):
+                    raise AssertionError(f"{route.tensor}: bytes differ from safetensors")
+                ok += 1
     return ok
 
 
@@ -388,15 +398,30 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
     return out
 
 
-def lag_summary(lags: Sequence[float]) -> dict[str, float]:
+def lag_summary(lags: Sequence[float], period: float = 0.001) -> dict[str, float]:
+    """Percentiles of ticker lags (seconds in, ms out). ``p99`` is per tick; ``p99_time``
+    weighs each tick by the time it took (``period`` + its lag): a 35 ms stall is one tick
+    but 35 ms of the load, and a request arriving at a random moment meets it in proportion
+    to its length. ``late_share``: share of the time spent in ticks late by over 5 ms."""
     if not lags:
-        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0}
+        return {"n": 0, "p50": 0.0, "p99": 0.0, "max": 0.0, "p99_time": 0.0, "late_share": 0.0}
     ordered = sorted(lags)
+    weights = [period + max(0.0, lag) for lag in ordered]
+    total = sum(weights)
+    covered, p99_time = 0.0, ordered[-1]
+    for lag, weight in zip(ordered, weights, strict=True):
+        covered += weight
+        if covered >= 0.99 * total:
+            p99_time = lag
+            break
+    late = sum(w for lag, w in zip(ordered, weights, strict=True) if lag > 0.005)
     return {
         "n": len(ordered),
         "p50": ordered[len(ordered) // 2] * 1e3,
         "p99": ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)] * 1e3,
         "max": ordered[-1] * 1e3,
+        "p99_time": p99_time * 1e3,
+        "late_share": late / total,
     }
 
 
@@ -544,26 +569,27 @@ def _run_peer(task: dict[str, Any], plan: Any, peer: str, n: int) -> dict[str, A
             slabs[route.slab][route.slot].copy_(tensor)
             landed += 1
 
+    # Imported before the clock, as asyncslab is (10-14 ms each).
+    if peer.startswith("runai-model-streamer"):
+        from runai_model_streamer import SafetensorsStreamer
+    elif peer == "fastsafetensors":
+        from fastsafetensors import fastsafe_open
+    else:
+        from fastsafetensors import SafeTensorsFileLoader
     timed = Timed()
     timed.start()
     slabs = {name: torch.empty(s.shape, dtype=s.dtype) for name, s in plan.slabs.items()}
     if peer.startswith("runai-model-streamer"):
-        from runai_model_streamer import SafetensorsStreamer
-
         with SafetensorsStreamer() as streamer:
             streamer.stream_files(paths)
             for name, tensor in streamer.get_tensors():
                 land(name, tensor)
     elif peer == "fastsafetensors":
-        from fastsafetensors import fastsafe_open
-
         # nogds: GPUDirect Storage needs a CUDA device; this is the host path.
         with fastsafe_open(filenames=paths, nogds=True, device="cpu") as f:
             for name in wanted:
                 land(name, f.get_tensor(name))
     else:
-        from fastsafetensors import SafeTensorsFileLoader
-
         loader = SafeTensorsFileLoader(None, "cpu", nogds=True, max_threads=n)
         try:
             loader.add_filenames({0: paths})
