@@ -81,12 +81,15 @@ class SlabSpec:
 
     def slot_offset(self, slot: tuple[int, ...]) -> int:
         """Byte offset of ``slot`` within the backing."""
-        if len(slot) != len(self.slot_dims) or not all(
-            0 <= i < n for i, n in zip(slot, self.slot_dims, strict=True)
-        ):
-            raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}")
+        dims = self.slot_dims
+        if len(slot) != len(dims):
+            raise PlanError(f"slot {slot} is outside slab {self.name!r} {dims}")
+        if not dims:  # a slab of one tensor (most of a dense checkpoint's): planned per tensor
+            return 0
         linear = 0
-        for index, extent in zip(slot, self.slot_dims, strict=True):
+        for index, extent in zip(slot, dims, strict=True):
+            if not 0 <= index < extent:
+                raise PlanError(f"slot {slot} is outside slab {self.name!r} {dims}")
             linear = linear * extent + index
         return linear * self.slot_nbytes
 
@@ -411,11 +414,13 @@ def _validate(
 ) -> None:
     """Dtype and shape of every route, then exact coverage of every slab."""
     filled: dict[str, dict[tuple[int, ...], Route]] = defaultdict(dict)
+    slot_nbytes: dict[str, int] = {}  # a property computed per call: once per slab here
+    tensors = checkpoint.tensors
     for route in routes:
         spec = slabs.get(route.slab)
         if spec is None:
             raise PlanError(f"routes into undefined slab {route.slab!r}", tensor=route.tensor)
-        info = checkpoint.tensors[route.tensor]
+        info = tensors[route.tensor]
         if info.dtype != spec.dtype:
             expected = safetensors_dtype(spec.dtype)
             raise DtypeMismatchError(
@@ -430,7 +435,10 @@ def _validate(
                 shard=route.shard,
             )
         shape = route.shape if route.shape is not None else info.shape
-        if shape != spec.item_shape or route.nbytes != spec.slot_nbytes:
+        nbytes = slot_nbytes.get(spec.name)
+        if nbytes is None:
+            nbytes = slot_nbytes[spec.name] = spec.slot_nbytes
+        if shape != spec.item_shape or route.nbytes != nbytes:
             sliced = "" if route.shape is None else f" (a slice of {list(info.shape)})"
             raise ShapeMismatchError(
                 f"shape {list(shape)}{sliced}, slot expects {list(spec.item_shape)} "

@@ -32,6 +32,7 @@ from asyncslab import (
     Plan,
     PlanError,
     ShapeMismatchError,
+    SlabSpec,
     Stack,
     TensorInfo,
     TieredMoE,
@@ -1021,3 +1022,17 @@ def test_planning_pauses_the_cyclic_collector_and_restores_it(
     finally:
         if was:
             gc.enable()
+
+
+def test_slot_offsets_are_row_major_and_out_of_range_slots_are_refused() -> None:
+    spec = SlabSpec("s", "u", torch.float16, (2, 3), (4,))  # slots of 8 bytes
+    assert [spec.slot_offset((i, j)) for i in range(2) for j in range(3)] == [
+        8 * k for k in range(6)
+    ]
+    for bad in [(2, 0), (0, 3), (-1, 0), (0,), (0, 0, 0), ()]:
+        with pytest.raises(PlanError, match="outside slab"):
+            spec.slot_offset(bad)
+    single = SlabSpec("d", "u", torch.float32, (), (5,))
+    assert single.slot_offset(()) == 0
+    with pytest.raises(PlanError, match="outside slab"):
+        single.slot_offset((0,))
