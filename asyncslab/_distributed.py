@@ -436,6 +436,10 @@ class _Abandoned(Exception):
 
 _OK, _FAILED, _ABORTED, _CANCELLED = "ok", "failed", "aborted", "cancelled"
 
+#: How often the protocol thread, waiting on something that cannot be interrupted (the
+#: loop, this rank's reader), looks whether its load was aborted meanwhile.
+_POLL_S = 0.25
+
 
 def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
@@ -558,6 +562,16 @@ class _Session:
         if task is not None:
             task.cancel()
 
+    def _loop_gone(self) -> None:
+        """The event loop can no longer be reached (the awaiting coroutine gave up at its
+        deadline, or the loop closed): nothing more lands on this rank. Called on the
+        protocol thread, which still finishes the protocol, reporting this rank as
+        aborted, because the other ranks wait for it in the remaining collectives."""
+        with self.lock:
+            if self.abort_reason is None:
+                # Only reached when the loop closed under a load nobody cancelled.
+                self.abort_reason = "abandoned (its event loop closed)"
+
     # -- protocol thread --
 
     def protocol(self, hello: dict[str, Any]) -> tuple[str, Any]:
@@ -593,8 +607,6 @@ class _Session:
             return "ok", reports
         except _CollectiveFailed as err:
             return "error", self._lost(err)
-        except _Abandoned:
-            return "error", None
         finally:
             for fd in self.fds.values():
                 os.close(fd)
@@ -661,7 +673,7 @@ class _Session:
             raise _Abandoned from None
         while True:
             try:
-                return cf.result(timeout=0.25)
+                return cf.result(timeout=_POLL_S)
             except concurrent.futures.TimeoutError:
                 if self.abandoned:
                     raise _Abandoned from None
@@ -689,7 +701,12 @@ class _Session:
                 self.local_task = task
             task.add_done_callback(finished)
 
-        self._in_loop(start)
+        try:
+            self._in_loop(start)
+        except _Abandoned:
+            # The agreement still follows: the others wait in it for this rank's verdict.
+            self._loop_gone()
+            return
         try:
             done.result()
         except concurrent.futures.CancelledError:
@@ -740,7 +757,11 @@ class _Session:
         relevant = [c for c in chunks if c.shared or c.owner == rank]
         size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
         pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
-        host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+
+        def staging() -> list[torch.Tensor]:
+            return [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+
+        host = staging()
         comm = (
             [torch.empty(size, dtype=torch.uint8, device=self.comm_device) for _ in range(nbuf)]
             if self.comm_cuda
@@ -754,45 +775,80 @@ class _Session:
         try:
             self.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
         except RuntimeError:  # the loop is closed
-            raise _Abandoned from None
+            self._loop_gone()
         cond = threading.Condition()
-        state = {"done": 0, "stop": False}
+        # "left": the protocol stopped waiting for the reader (this rank aborted while one of
+        # its reads was in flight); the reader then closes the files when it returns.
+        state = {"done": 0, "stop": False, "left": False, "exited": False, "swapped": False}
         filled: dict[int, BaseException | None] = {}
+        fds = dict(self.fds)
 
         def reader() -> None:
-            addresses = [t.data_ptr() for t in host]
-            for k in mine:
+            # Its own references: a read the protocol left behind may still write into these
+            # buffers and read these files whenever it returns.
+            buffers = list(host)
+            addresses = [t.data_ptr() for t in buffers]
+            try:
+                for k in mine:
+                    with cond:
+                        while state["done"] < k - nbuf + 1 and not state["stop"]:
+                            cond.wait()
+                        if state["stop"]:
+                            return
+                    result: BaseException | None = None
+                    if not self._failing():
+                        try:
+                            address = addresses[k % nbuf]
+                            for seg in chunks[k].segments:
+                                path = str(self.plan.files[seg.file].path)
+                                pread_scatter(
+                                    fds[seg.file],
+                                    scatter([(address + seg.at, seg.nbytes)]),
+                                    seg.offset,
+                                    path=path,
+                                )
+                                self.reads += 1
+                                self.bytes_read += seg.nbytes
+                        except BaseException as err:
+                            result = err
+                    with cond:
+                        filled[k] = result
+                        cond.notify_all()
+            finally:
                 with cond:
-                    while state["done"] < k - nbuf + 1 and not state["stop"]:
-                        cond.wait()
-                    if state["stop"]:
-                        return
-                result: BaseException | None = None
-                if not self._failing():
-                    try:
-                        address = addresses[k % nbuf]
-                        for seg in chunks[k].segments:
-                            path = str(self.plan.files[seg.file].path)
-                            pread_scatter(
-                                self.fds[seg.file],
-                                scatter([(address + seg.at, seg.nbytes)]),
-                                seg.offset,
-                                path=path,
-                            )
-                            self.reads += 1
-                            self.bytes_read += seg.nbytes
-                    except BaseException as err:
-                        result = err
-                with cond:
-                    filled[k] = result
-                    cond.notify_all()
+                    state["exited"] = True
+                    left = state["left"]
+                if left:
+                    for fd in fds.values():
+                        os.close(fd)
+
+        def take(k: int) -> BaseException | None:
+            """The outcome of this rank's read of chunk ``k``: its error, or ``None`` (also
+            when this rank aborted before the read ended: a stuck read must not keep it from
+            the collectives the others wait in)."""
+            with cond:
+                while k not in filled and self.abort_reason is None:
+                    cond.wait(_POLL_S)
+                if k in filled:
+                    return filled.pop(k)
+                state["stop"] = True  # the reader starts no further chunk
+                cond.notify_all()
+                swap = not state["swapped"]
+                state["swapped"] = True
+            if swap:
+                # The read left behind may land in a staging buffer whenever it returns; a
+                # broadcast received there meanwhile would read its status byte torn. The
+                # remaining chunks pass through fresh buffers (the reader keeps the old).
+                host[:] = staging()
+            return None
 
         thread = threading.Thread(target=reader, name="asyncslab-dist-read", daemon=True)
         thread.start()
         try:
             for k, chunk in enumerate(chunks):
                 if chunk.shared or chunk.owner == rank:
-                    if self._chunk(k, chunk, host[k % nbuf], comm[k % nbuf], filled, cond, routes):
+                    read = take(k) if chunk.owner == rank else None
+                    if self._chunk(k, chunk, read, host[k % nbuf], comm[k % nbuf], routes):
                         break
                 with cond:
                     state["done"] = k + 1
@@ -801,28 +857,37 @@ class _Session:
             with cond:
                 state["stop"] = True
                 cond.notify_all()
-            thread.join()
-            self._in_loop(self._settle_share)
+            while thread.is_alive():
+                thread.join(_POLL_S)
+                if self.abort_reason is None:
+                    continue
+                with cond:
+                    if not state["exited"]:
+                        # Aborted with a read still in flight (it may never return): leave
+                        # the reader its files and buffers and go on to the agreement.
+                        state["left"] = True
+                        self.fds = {}
+                        break
+            try:
+                self._in_loop(self._settle_share)
+            except _Abandoned:
+                self._loop_gone()
 
     def _chunk(
         self,
         k: int,
         chunk: _Chunk,
+        read: BaseException | None,
         host: torch.Tensor,
         comm: torch.Tensor,
-        filled: dict[int, BaseException | None],
-        cond: threading.Condition,
         routes: _RouteIndex,
     ) -> bool:
-        """Process chunk ``k``; ``True`` when the whole group stops here."""
+        """Process chunk ``k`` (``read``: the error of this rank's read of it, if it owns
+        it); ``True`` when the whole group stops here."""
         n = chunk.nbytes
         if chunk.owner == self.rank:
-            with cond:
-                while k not in filled:
-                    cond.wait()
-                result = filled.pop(k)
-            if result is not None and self.local_error is None:
-                self.local_error = result
+            if read is not None and self.local_error is None:
+                self.local_error = read
             if not chunk.shared:
                 if not self._failing():
                     self._deliver(chunk, host, routes)
@@ -858,8 +923,6 @@ class _Session:
         would skip this rank's remaining collectives and leave the others waiting in them."""
         try:
             self._copy_out(chunk, buffer, routes)
-        except _Abandoned:
-            raise
         except Exception as err:
             if self.local_error is None:
                 self.local_error = err
@@ -882,8 +945,8 @@ class _Session:
             return
         try:
             self.loop.call_soon_threadsafe(self._land, landed)
-        except RuntimeError:
-            raise _Abandoned from None
+        except RuntimeError:  # the loop is closed
+            self._loop_gone()
 
     def _begin_landing(self, empty: Sequence[int]) -> None:
         if self.abandoned or self.local_error is not None:
@@ -1066,10 +1129,15 @@ async def load(
     ``chunk_bytes``, through two staging buffers per rank (on the GPU too under NCCL).
     Otherwise every rank reads its own plan with the ordinary loader and ``options``.
 
-    ``timeout``: seconds after which this rank stops waiting and raises (the collective in
-    flight cannot be interrupted; it ends at the process group's own timeout, and the group
-    is unusable). ``None``: the process group's timeout bounds every wait — a dead rank
-    fails the others at once, a hung one after that timeout.
+    ``timeout``: seconds after which this rank stops waiting and raises; the group is
+    unusable afterwards. Its protocol thread goes on in the background: it stops landing
+    and reading (with ``share_reads``, it leaves behind a read in flight), takes part in
+    the remaining collectives and reports the timeout in the agreement, so the other ranks
+    raise "failed on rank r: load timed out after ... s" once they get there — provided
+    this process lives that long and no collective it waits in is stuck on a hung rank
+    (that one ends at the process group's own timeout). ``None``: the process group's
+    timeout bounds every wait — a dead rank fails the others at once, a hung one after
+    that timeout.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise LoadError("torch.distributed is not initialized; call init_process_group first")

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import threading
 import time
 import traceback
 import warnings
@@ -579,6 +580,54 @@ async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any])
 SCENARIOS["copy-fails"] = _copy_fails
 
 
+#: A process-group timeout the tests below must never wait for (their own is shorter).
+NEVER_PG_TIMEOUT = 60.0
+
+
+async def _deadline_share(
+    rank: int, world: int, root: Path, result: dict[str, Any], stuck: bool
+) -> None:
+    """Rank 1's shared load passes its own ``timeout=``: its reads are slow, or one of them
+    never returns. The other rank must hear of it in step, not at the group's timeout."""
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    deadline = 1.0 if stuck else 0.3
+    if rank == 1:
+        if stuck:
+            _patch_preadv(_after(3, lambda: time.sleep(3600)))
+        else:
+            _patch_preadv(lambda: time.sleep(0.02))
+    result["outcome"] = await _attempt(
+        distributed.load(
+            ckpt,
+            plan,
+            share_reads=True,
+            options=LoadOptions(coalesce_gap=0),
+            chunk_bytes=16 << 10,
+            timeout=deadline if rank == 1 else None,
+        )
+    )
+    if rank == 1:
+        # The protocol thread outlives the deadline; this rank stays (its exit would fail
+        # the others at once) until that thread has finished its part of the protocol.
+        protocol = [t for t in threading.enumerate() if t.name == "asyncslab-dist"]
+        await asyncio.to_thread(lambda: [t.join(20) for t in protocol])
+        result["protocol_finished"] = not any(t.is_alive() for t in protocol)
+    result["group_broken"] = True
+
+
+async def _deadline_share_slow(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    await _deadline_share(rank, world, root, result, stuck=False)
+
+
+async def _deadline_share_stuck(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    await _deadline_share(rank, world, root, result, stuck=True)
+
+
+SCENARIOS["deadline-share-slow"] = _deadline_share_slow
+SCENARIOS["deadline-share-stuck"] = _deadline_share_stuck
+
+
 # --- tests: modes --------------------------------------------------------------------------
 
 
@@ -957,3 +1006,28 @@ def test_a_copy_failing_on_one_rank_fails_every_rank_in_step(
         assert got["ranks"] == [1], (rank, got)
         assert "failed on rank 1 of 2: RuntimeError: copy broke (injected)" in got["message"]
         assert got["cause"] == ("RuntimeError" if rank == 1 else None)
+
+
+@pytest.mark.timeout(45)  # < NEVER_PG_TIMEOUT: no rank may wait for the group's timeout
+@pytest.mark.parametrize("stuck", [False, True], ids=["slow-reads", "stuck-read"])
+def test_a_shared_load_past_its_timeout_fails_the_others_in_step(
+    tmp_path: Path, checkpoints2: Path, stuck: bool
+) -> None:
+    scenario = "deadline-share-stuck" if stuck else "deadline-share-slow"
+    results = _spawn(tmp_path, 2, scenario, checkpoints2, pg_timeout=NEVER_PG_TIMEOUT, wait=40)
+    late, other = results[1], results[0]
+    assert late is not None
+    assert other is not None
+    deadline = "1.0" if stuck else "0.3"
+    got = late["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    expected = f"rank 1 of 2: distributed load did not finish within timeout={deadline} s"
+    assert expected in got["message"], got
+    # It took part in the rest of the protocol (also past a read that never returns).
+    assert late["protocol_finished"]
+    got = other["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert got["ranks"] == [1], got
+    expected = f"distributed load failed on rank 1 of 2: load timed out after {deadline} s"
+    assert expected in got["message"], got
+    assert got["cause"] is None
