@@ -298,22 +298,29 @@ class SlabSet:
         Raises :class:`IncompleteLoadError` if no load is running to complete it, or if
         the load fails (its error is the ``__cause__``) — without ``unit``, even if it
         fails after every unit landed (a unit callback, the final progress call): its
-        slabs are exact, but what the server does with them did not finish.
+        slabs are exact, but what the server does with them did not finish. A load that
+        begins while this waits (a retry, a swap) is waited for in turn: what counts is
+        the state the slabs are left in.
         """
         self._check_open()
         self._settle()
         units = list(self.plan.units) if unit is None else [unit]
         try:
-            for u in units:
-                if self._state != "loading":
-                    self._check_ended(u)
-                await self._tracker.wait(u)
-            if unit is None:
+            while True:
+                for u in units:
+                    if self._state != "loading":
+                        self._check_ended(u)
+                    await self._tracker.wait(u)
+                if unit is not None:
+                    return
                 task = self._task
-                if task is not None and not task.done():
-                    await asyncio.wait([task])
-                    self._settle()
-                self._check_ended(None)
+                if task is None or task.done():
+                    self._check_ended(None)
+                    return
+                await asyncio.wait([task])
+                # Its caller may have reset the slabs, or started another load, before this
+                # resumed: judge the slabs as they are now, not the load waited for.
+                self._settle()
         except IncompleteLoadError as err:
             self._delivered(err.__cause__)
             raise
@@ -489,7 +496,10 @@ class SlabSet:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedError("this SlabSet was closed; its slabs are freed")
+            raise ClosedError(
+                "this SlabSet was closed: it holds its slabs no more (a view or bound "
+                "parameter still held keeps their memory)"
+            )
 
     def _spawn(self, run: Coroutine[object, object, SlabSet]) -> asyncio.Task[SlabSet]:
         task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
@@ -563,6 +573,7 @@ class SlabSet:
                 "the plan was made for other files than this checkpoint's; plan it with "
                 "asyncslab.plan(checkpoint) and pass plan="
             )
+        _check_files(plan)
         if plan is not self._run_plan:
             self._adopt(plan)
         if self._task is not None and self._task.done():
@@ -1193,15 +1204,35 @@ def _open_checked(
                 "RLIMIT_NOFILE, e.g. with `ulimit -n`)"
             )
         raise ReadError(f"cannot open: {why}", file=path) from err
-    st = os.fstat(fd)
-    if (st.st_size, st.st_ino, st.st_mtime_ns) != (size, inode, mtime_ns):
+    try:
+        _check_unchanged(path, os.fstat(fd), size, inode, mtime_ns)
+    except FileChangedError:
         os.close(fd)
+        raise
+    os.set_blocking(fd, True)  # the planned regular file: reads block as usual
+    return fd
+
+
+def _check_unchanged(
+    path: os.PathLike[str], st: os.stat_result, size: int, inode: int, mtime_ns: int
+) -> None:
+    if (st.st_size, st.st_ino, st.st_mtime_ns) != (size, inode, mtime_ns):
         what = f"size {size} -> {st.st_size}" if st.st_size != size else "replaced or modified"
         raise FileChangedError(
             f"file changed since it was planned ({what}); open and plan it again", file=path
         )
-    os.set_blocking(fd, True)  # the planned regular file: reads block as usual
-    return fd
+
+
+def _check_files(plan: Plan) -> None:
+    """Before a load changes anything: every shard still as planned. Else a swap refused
+    at its first open would have reset the slabs of the model being served. (The open
+    checks again: a file may change in between.)"""
+    for shard in plan.files:
+        try:
+            st = os.stat(shard.path)
+        except OSError as err:
+            raise ReadError(f"cannot open: {err.strerror or err}", file=shard.path) from err
+        _check_unchanged(shard.path, st, shard.size, shard.inode, shard.mtime_ns)
 
 
 async def load(

@@ -257,7 +257,11 @@ class Plan:
         h = hashlib.sha256()
         # By name: slab order follows the files' payload order, which is not layout.
         for spec in sorted(self.slabs.values(), key=lambda s: s.name):
-            h.update(f"{spec.name}|{spec.unit}|{spec.dtype}|{spec.shape};".encode())
+            # Slot dims too: (2,) + (4, 8) and () + (2, 4, 8) are one shape, but not the
+            # same slots (view(), slot() and binding index by them).
+            h.update(
+                f"{spec.name}|{spec.unit}|{spec.dtype}|{spec.slot_dims}|{spec.item_shape};".encode()
+            )
         return h.hexdigest()[:16]
 
     @property

@@ -4,10 +4,12 @@ tasks do the same. Each test here failed before the fix it names (see docs/robus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
 import re
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -325,3 +327,93 @@ async def test_cancelled_ready_callers_leave_no_waiter_behind(
     assert sum(len(w) for w in slabs._tracker._waiters.values()) == 0
     await slabs.ready()
     assert await task is slabs
+
+
+@pytest.mark.parametrize("retry", ["succeeds", "fails"])
+async def test_ready_judges_the_slabs_after_a_retry_began_while_it_waited(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, retry: str
+) -> None:
+    # The load failed after every unit landed; its caller reset the slabs and started a
+    # retry before a health check's ready() resumed, and ready() returned normally with no
+    # unit complete (it looked at the new load's state, not for its end).
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    slabs = SlabSet(p)
+    calls: list[str] = []
+
+    async def on_unit(unit: str, s: SlabSet) -> None:
+        calls.append(unit)
+        last = len(calls) % len(p.units) == 0  # each load's last unit
+        if last and (len(calls) == len(p.units) or retry == "fails"):
+            raise ValueError("post-processing broke")
+
+    async def loader() -> None:
+        with pytest.raises(asyncslab.LoadError):
+            await slabs.load(ckpt, options=SMALL, on_unit_ready=on_unit)
+        slabs.reset()
+        again = slabs.start(ckpt, options=SMALL, on_unit_ready=on_unit)
+        with contextlib.suppress(asyncslab.LoadError):
+            await again
+
+    async def health() -> str:
+        await asyncio.sleep(0)  # waits while the first load runs
+        try:
+            await slabs.ready()
+        except asyncslab.IncompleteLoadError:
+            return f"raised, complete={slabs.complete}"
+        return f"returned, complete={slabs.complete}, state={slabs.state}"
+
+    _, seen = await asyncio.gather(loader(), health())
+    if retry == "succeeds":
+        assert seen == "returned, complete=True, state=complete"
+    else:
+        assert seen == "raised, complete=True"  # every unit landed, the retry failed after
+        assert slabs.state == "failed"
+    await slabs.aclose()
+
+
+async def test_ready_raises_when_the_slabs_were_reset_by_the_final_progress_call(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = SlabSet(plan(ckpt))
+
+    def progress(stats: asyncslab.LoadStatistics) -> None:
+        if stats.state == "complete":
+            slabs.reset()
+
+    task = slabs.start(ckpt, options=SMALL, progress=progress)
+    with pytest.raises(asyncslab.IncompleteLoadError):
+        await slabs.ready()
+    await task
+    assert slabs.state == "empty"
+    await slabs.aclose()
+
+
+@pytest.mark.parametrize("change", ["rewritten", "deleted"])
+async def test_a_swap_refused_for_a_changed_file_leaves_the_served_slabs_as_they_were(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path, change: str
+) -> None:
+    # The refusal came at the first open, after the slabs had been reset: the model being
+    # served was marked failed and refused access, its bytes intact.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    slabs = await asyncslab.load(ckpt, plan(ckpt), options=SMALL)
+    other_root = tmp_path / "other"
+    shutil.copytree(small_checkpoint.root, other_root)
+    other = Checkpoint.open(other_root)
+    other_plan = plan(other)
+    shard = other.files[0].path
+    if change == "rewritten":
+        shard.write_bytes(shard.read_bytes() + b"\0")
+    else:
+        shard.unlink()
+    expected = asyncslab.FileChangedError if change == "rewritten" else asyncslab.ReadError
+    with pytest.raises(expected, match=re.escape(shard.name)):
+        slabs.start(other, plan=other_plan, options=SMALL)
+    with pytest.raises(expected):
+        await slabs.load(other, plan=other_plan, options=SMALL)
+    assert slabs.state == "complete"
+    assert slabs.complete
+    assert_bit_identical(slabs, ckpt)
+    await slabs.ready()
+    await slabs.aclose()

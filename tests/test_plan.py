@@ -1036,3 +1036,21 @@ def test_slot_offsets_are_row_major_and_out_of_range_slots_are_refused() -> None
     assert single.slot_offset(()) == 0
     with pytest.raises(PlanError, match="outside slab"):
         single.slot_offset((0,))
+
+
+def test_one_shape_cut_into_other_slots_is_another_layout(tmp_path: Path) -> None:
+    # Two slabs named alike, one (2,) slots of (4, 8), the other one slot of (2, 4, 8),
+    # had one layout fingerprint: loading one plan into the other's slabs was allowed, then
+    # view(), slot() and binding refused the tensors just loaded.
+    stacked_dir, dense_dir = tmp_path / "stacked", tmp_path / "dense"
+    stacked_dir.mkdir()
+    dense_dir.mkdir()
+    pair = {"w.0": torch.zeros(4, 8), "w.1": torch.ones(4, 8)}
+    save_file(pair, str(stacked_dir / "m.safetensors"))
+    save_file({"w.*": torch.zeros(2, 4, 8)}, str(dense_dir / "m.safetensors"))
+    stacked = plan(Checkpoint.open(stacked_dir), [Stack(r"w\.(?P<index>\d+)", unit="globals")])
+    dense = plan(Checkpoint.open(dense_dir), [Dense(unit_of=lambda name: "globals")])
+    (a,), (b,) = stacked.slabs.values(), dense.slabs.values()
+    assert (a.name, a.unit, a.dtype, a.shape) == (b.name, b.unit, b.dtype, b.shape)
+    assert a.slot_dims != b.slot_dims
+    assert stacked.layout_fingerprint != dense.layout_fingerprint
