@@ -137,7 +137,9 @@ async def test_the_last_call_says_how_the_load_ended(
         final = slabs.statistics()
     last = seen[-1][1]
     assert last.state == final.state == how
-    assert last.bytes_landed == final.bytes_landed == sum(stall.before)
+    # The final figures (a failing read stops the landing of reads it overtook: <=).
+    assert last.bytes_landed == final.bytes_landed <= sum(stall.before)
+    assert last.elapsed_s == final.elapsed_s
     assert last.eta_s is None
     assert {s.state for _, s in seen[:-1]} <= {"loading"}
     if how == "failed":
