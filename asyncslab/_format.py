@@ -78,6 +78,8 @@ def _dtype_table() -> dict[str, torch.dtype]:
         "F8_E5M2": "float8_e5m2",
         "F8_E4M3": "float8_e4m3fn",
         "F8_E8M0": "float8_e8m0fnu",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
     }
     for st, attr in optional.items():
         dt = getattr(torch, attr, None)
@@ -670,6 +672,10 @@ class Checkpoint:
                 paths = [_check_inside(root, p.name, None) for p in found]
                 if not paths:
                     raise MissingFileError("no *.safetensors files and no index", file=root)
+        elif path.name.endswith(".json") and path.is_file():
+            raise IndexFileError(
+                f"{path} is an index: open the checkpoint directory that holds it", file=path
+            )
         else:
             root = path.parent
             paths = [path]
@@ -861,12 +867,24 @@ def _check_inside(root: Path, name: str, index_path: Path | None) -> Path:
         resolved = candidate.resolve()
     except (OSError, RuntimeError) as err:  # a symlink loop: RuntimeError before 3.13
         raise MissingFileError(f"cannot resolve {name!r}: {err}", file=candidate) from None
-    if not resolved.is_relative_to(root.resolve()):
+    if not any(resolved.is_relative_to(place) for place in _allowed_targets(root)):
         raise UnsafePathError(
             f"{name!r} resolves to {resolved}, outside the checkpoint directory {root}",
             file=where,
         )
     return candidate
+
+
+def _allowed_targets(root: Path) -> list[Path]:
+    """Where a shard of ``root`` may resolve to: inside it, and, for a snapshot of a
+    Hugging Face hub cache (``models--org--name/snapshots/<revision>``, whose files are
+    links to ``../../blobs/<hash>``), that repository's blobs — the most common layout of a
+    downloaded checkpoint; any other place outside stays refused."""
+    real = root.resolve()
+    places = [real]
+    if real.parent.name == "snapshots":
+        places.append(real.parent.parent / "blobs")
+    return places
 
 
 def _index_files(root: Path, index: _Index) -> dict[str, Path]:

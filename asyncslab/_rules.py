@@ -27,6 +27,12 @@ from ._plan import (
 __all__ = ["Dense", "Stack", "RowSlice", "default_rules"]
 
 
+def _check_dtype(dtype: object, where: str) -> None:
+    # A name ("bfloat16") got as far as allocation, and failed there with AttributeError.
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{where}: a torch.dtype, e.g. torch.bfloat16, not {dtype!r}")
+
+
 # One read-only label mapping for every dense slab (300,000 tensors made 300,000 dicts).
 _DENSE: Mapping[str, str] = MappingProxyType({"kind": "dense"})
 
@@ -39,9 +45,15 @@ class Dense:
     requires one, so a checkpoint saved in the wrong precision fails at plan time.
     """
 
-    pattern: str = r".*"
+    # (?s): a tensor name may hold a newline (the reference accepts it); "every remaining
+    # tensor" must mean it.
+    pattern: str = r"(?s).*"
     dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
     unit_of: Callable[[str], str] = unit_of_layer
+
+    def __post_init__(self) -> None:
+        for pattern, dtype in self.dtypes.items():
+            _check_dtype(dtype, f"Dense(dtypes={{{pattern!r}: ...}})")
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -76,6 +88,10 @@ class Stack:
     dtype: torch.dtype | None = None
     unit: str | None = None
     count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            _check_dtype(self.dtype, "Stack(dtype=...)")
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)

@@ -349,6 +349,9 @@ _DTYPE_NAMES = [
     "float8_e5m2",
     "float8_e4m3fn",
     "float8_e8m0fnu",
+    # Refused as unknown before, though the reference writes and reads them.
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
 ]
 ALL_DTYPES = [
     getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)

@@ -444,3 +444,62 @@ def test_single_file_path(two_shards: Path) -> None:
 def test_missing_path(tmp_path: Path) -> None:
     with pytest.raises(MissingFileError, match="file does not exist"):
         Checkpoint.open(tmp_path / "nothing-here")
+
+
+def _hub_cache(tmp_path: Path) -> tuple[Path, Path]:
+    """A Hugging Face hub cache repository: files are blobs named by hash, and a
+    snapshot directory of links to ``../../blobs/<hash>`` (index included)."""
+    repo = tmp_path / "models--org--name"
+    staging = tmp_path / "staging"
+    shard(staging, "model-00001-of-00002.safetensors", ["x", "y"])
+    shard(staging, "model-00002-of-00002.safetensors", ["z"], torch.bfloat16)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    index(staging, {"x": first, "y": first, "z": second})
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for i, f in enumerate(sorted(staging.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        f.rename(blob)
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / blob.name)
+    return repo, snapshot
+
+
+def test_a_hub_cache_snapshot_opens_and_loads(tmp_path: Path) -> None:
+    # Its shards link into the repository's blobs, outside the snapshot directory: refused
+    # before, though it is how most downloaded checkpoints lie on disk.
+    import asyncio
+
+    import asyncslab
+
+    _, snapshot = _hub_cache(tmp_path)
+    ckpt = Checkpoint.open(snapshot)
+    assert sorted(ckpt.tensors) == ["x", "y", "z"]
+    slabs = asyncio.run(asyncslab.load(ckpt, asyncslab.plan(ckpt)))
+    assert torch.equal(slabs.view("y"), torch.arange(6.0).reshape(2, 3) + 10)
+    assert torch.equal(slabs.view("z"), torch.arange(6).reshape(2, 3).to(torch.bfloat16))
+    asyncio.run(slabs.aclose())
+
+
+def test_a_hub_cache_snapshot_may_not_link_anywhere_else(tmp_path: Path) -> None:
+    repo, snapshot = _hub_cache(tmp_path)
+    elsewhere = shard(tmp_path / "elsewhere", "secret.safetensors", ["z"], torch.bfloat16)
+    (snapshot / "model-00002-of-00002.safetensors").unlink()
+    (snapshot / "model-00002-of-00002.safetensors").symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="outside the checkpoint directory"):
+        Checkpoint.open(snapshot)
+    # Nor into the repository beyond its blobs, nor into another snapshot's directory.
+    (repo / "refs").mkdir()
+    moved = elsewhere.rename(repo / "refs" / "secret.safetensors")
+    (snapshot / "model-00002-of-00002.safetensors").unlink()
+    (snapshot / "model-00002-of-00002.safetensors").symlink_to(moved)
+    with pytest.raises(UnsafePathError, match="outside the checkpoint directory"):
+        Checkpoint.open(snapshot)
+
+
+def test_opening_the_index_file_says_to_open_its_directory(two_shards: Path) -> None:
+    # It was read as a shard: "header length 8388068008349082235 exceeds the limit".
+    idx = index(two_shards, {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
+    with pytest.raises(IndexFileError, match="is an index: open the checkpoint directory"):
+        Checkpoint.open(idx)
+    assert sorted(Checkpoint.open(two_shards).tensors) == ["x", "y", "z"]

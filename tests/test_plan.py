@@ -1054,3 +1054,34 @@ def test_one_shape_cut_into_other_slots_is_another_layout(tmp_path: Path) -> Non
     assert (a.name, a.unit, a.dtype, a.shape) == (b.name, b.unit, b.dtype, b.shape)
     assert a.slot_dims != b.slot_dims
     assert stacked.layout_fingerprint != dense.layout_fingerprint
+
+
+def test_every_remaining_tensor_includes_a_name_with_a_newline(tmp_path: Path) -> None:
+    # The reference writes and reads such a name; Dense's ".*" did not match it, so the
+    # default plan refused the checkpoint (UnmatchedTensorError).
+    import asyncio
+
+    from asyncslab import load
+
+    tensors = {"nl\nname": torch.arange(4.0), "cr\rname": torch.ones(2), "ok": torch.zeros(3)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    ckpt = Checkpoint.open(tmp_path)
+    p = plan(ckpt)
+    assert {r.tensor for r in p.routes} == set(tensors)
+
+    async def loaded() -> None:
+        async with await load(ckpt, p) as slabs:
+            for name, t in tensors.items():
+                assert torch.equal(slabs.view(name), t)
+
+    asyncio.run(loaded())
+
+
+def test_a_rule_dtype_must_be_a_torch_dtype() -> None:
+    # A name ("bfloat16") was accepted, then failed at allocation with AttributeError.
+    with pytest.raises(TypeError, match=r"Stack\(dtype=...\): a torch.dtype"):
+        Stack(r"w\.(?P<index>\d+)", dtype="bfloat16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Dense\(dtypes=\{'x': ...\}\): a torch.dtype"):
+        Dense(dtypes={"x": "f16"})  # type: ignore[dict-item]
+    Stack(r"w\.(?P<index>\d+)", dtype=torch.bfloat16)
+    Dense(dtypes={"x": torch.float16})
