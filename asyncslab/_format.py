@@ -91,8 +91,9 @@ def _dtype_table() -> dict[str, torch.dtype]:
 #: safetensors dtype string -> torch dtype.
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType(_dtype_table())
 _ITEMSIZE: dict[str, int] = {st: dt.itemsize for st, dt in DTYPES.items()}
-# Packed sub-byte formats have no torch dtype whose element is one value; a route into a slab
-# could not express them without reinterpreting bytes, so they are refused by name.
+# Packed sub-byte formats: the header counts 4- or 6-bit elements, while torch's packed
+# dtypes (float4_e2m1fn_x2: two values a byte) count bytes, so the shapes disagree and a
+# route into a slab would have to reinterpret them; refused by name, for now.
 _SUB_BYTE = frozenset({"F4", "F6_E2M3", "F6_E3M2"})
 _CANONICAL = ("dtype", "shape", "data_offsets")
 _ST_NAME: dict[torch.dtype, str] = {dt: st for st, dt in DTYPES.items()}
@@ -465,9 +466,9 @@ def _parse_general(text: str, path: Path) -> _Columns:
         itemsize = itemsizes.get(st) if type(st) is str else None
         if itemsize is None:
             sub_byte = type(st) is str and st in _SUB_BYTE  # a list or object is unhashable
-            why = "sub-byte dtypes are not supported" if sub_byte else "unknown dtype"
+            why = f"sub-byte dtype {st!r} is not supported" if sub_byte else f"unknown dtype {st!r}"
             raise UnknownDtypeError(
-                f"{why} {st!r}; expected one of {sorted(itemsizes)}",
+                f"{why}; expected one of {sorted(itemsizes)}",
                 file=path,
                 tensor=name,
                 got=st,
