@@ -1117,7 +1117,15 @@ def _refuse_awaitable(result: object, what: str) -> None:
 
 async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
     try:
-        await callback(unit, slabs)
+        pending = callback(unit, slabs)
+        if not inspect.isawaitable(pending):
+            # A plain function: it ran, but the loader awaits the callback (it may do I/O),
+            # and torch's "NoneType can't be used in 'await'" would not say why.
+            raise LoadError(
+                f"on_unit_ready must be an async function (for unit {unit!r} it returned "
+                f"{type(pending).__name__}, not an awaitable)"
+            )
+        await pending
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if task is not None and task.cancelling():  # the load is being torn down

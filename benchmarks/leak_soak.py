@@ -117,7 +117,9 @@ async def settle_threads(limit: float = 5.0) -> None:
         await asyncio.sleep(0.002)
 
 
-async def soak(root: Path, cycles: int, warmup: int, seed: int, pace: float) -> dict[str, Any]:
+async def soak(
+    root: Path, cycles: int, warmup: int, seed: int, pace: float, path: str = "direct"
+) -> dict[str, Any]:
     import test_faults as tf  # the cancel modes and the expected-bytes helper
 
     ckpt = Checkpoint.open(root)
@@ -143,7 +145,7 @@ async def soak(root: Path, cycles: int, warmup: int, seed: int, pace: float) -> 
                 trend.append((0, before["VmRSS KiB"]))
                 started = time.perf_counter()
             mode = tf.CANCEL_MODES[cycle % len(tf.CANCEL_MODES)]
-            await tf._cancel_somewhere(slabs, ckpt, rng, mode)
+            await tf._cancel_somewhere(slabs, ckpt, rng, mode, tf.PATHS[path])
             if fake.in_flight:
                 problems.append(f"cycle {cycle} ({mode}): {fake.in_flight} reads still in flight")
             if mode == "aclose":
@@ -193,7 +195,9 @@ def run(loop_name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     else:
         factory = asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(soak(root, args.cycles, args.warmup, args.seed, args.pace))
+        return runner.run(
+            soak(root, args.cycles, args.warmup, args.seed, args.pace, args.path)
+        )
 
 
 def main() -> None:
@@ -203,6 +207,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--pace", type=float, default=0.0002, help="seconds per preadv")
     parser.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
+    parser.add_argument(
+        "--path", choices=["direct", "staged"], default="direct", help="reads straight into "
+        "the slabs, or through staging buffers (the CUDA path, on CPU)"
+    )
     parser.add_argument("--rss-noise-mib", type=float, default=16.0)
     args = parser.parse_args()
     loops = ["asyncio", "uvloop"] if args.loop == "both" else [args.loop]

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -553,3 +554,16 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
     f.write_bytes(b"y" * (1 << 20))
     share = _bench._cached_share([f])
     assert share is None or 0.0 <= share <= 1.0
+
+
+@pytest.mark.timeout(120)
+def test_the_leak_soak_runs(tmp_path: Path) -> None:
+    # It called a test helper whose signature had changed, and crashed on its first cycle
+    # while docs/robustness.md showed its output as reproducible.
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "leak_soak.py"), "--cycles", "6",
+         "--warmup", "2", "--loop", "asyncio"],
+        capture_output=True, text=True, check=False, cwd=REPO, timeout=110,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "verdict:" in out.stdout

@@ -417,3 +417,19 @@ async def test_a_swap_refused_for_a_changed_file_leaves_the_served_slabs_as_they
     assert_bit_identical(slabs, ckpt)
     await slabs.ready()
     await slabs.aclose()
+
+
+async def test_a_plain_unit_callback_fails_the_load_saying_it_must_be_async(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # It failed with torch's "object NoneType can't be used in 'await' expression".
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    called: list[str] = []
+
+    def postprocess(unit: str, slabs: SlabSet) -> None:
+        called.append(unit)
+
+    async with SlabSet(plan(ckpt)) as slabs:
+        with pytest.raises(asyncslab.LoadError, match="on_unit_ready must be an async function"):
+            await slabs.load(ckpt, options=SMALL, on_unit_ready=postprocess)  # type: ignore[arg-type]
+    assert called
