@@ -107,6 +107,14 @@ class CudaCopier:
             torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
             for _ in range(max(1, streams))
         ]
+        # torch's pool streams do not wait for the current (default) stream, and the
+        # allocator tracks a block only on the stream that allocated it: without this, a
+        # copy into the slabs could land before kernels already queued on that stream (a
+        # model swap freeing a block, inference still reading the slabs before a reload)
+        # are done with that memory.
+        current = torch.cuda.current_stream(device)
+        for stream in self.streams:
+            stream.wait_stream(current)
 
     def copy(
         self,
@@ -125,6 +133,10 @@ class CudaCopier:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             try:
                 _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+                # In the try: if recording failed, the copies enqueued must still finish
+                # before the caller reuses the buffer.
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
             except BaseException:
                 # Copies enqueued before the failing one may still read the buffer (or the
                 # registered pages of a mapped read), which the caller reuses or releases
@@ -134,8 +146,6 @@ class CudaCopier:
                 except Exception:  # noqa: BLE001, S110 - the first error is the one to report
                     pass
                 raise
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
         event.synchronize()
 
 

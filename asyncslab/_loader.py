@@ -201,6 +201,11 @@ class SlabSet:
             raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise LoadError(f"device {self.device} requested, but CUDA is not available")
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means the current device when the slabs are made; pinned here, as the
+            # copies run on I/O threads, whose current device is device 0 (on several GPUs
+            # their streams, events and registrations would be on the wrong one).
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
         # One allocation holds every slab; slab tensors are views of it, made when first
         # asked for. A slab of its own each cost ~20 µs (allocation, views, a buffer for

@@ -560,6 +560,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {rec['seconds']:.3f} s, {rec['gbps']:.2f} GB/s "
             f"({rec['of_h2d'] * 100:.0f} % of H2D), peak +{rec['peak_bytes'] / GiB:.2f} GiB"
         )
+        if args.json is not None:
+            # Rewritten after every row: a run that dies later (a CUDA context broken by a
+            # new path, the command's time limit) keeps what it measured.
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            partial = {**report, "rows": rows, "partial": True}
+            args.json.write_text(json.dumps(partial, indent=1, default=str))
 
     for i in range(args.runs):
         record(

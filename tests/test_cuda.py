@@ -228,3 +228,33 @@ async def test_cuda_mapped_failing_registration_names_the_file(
         slabs.reset()
         await slabs.load(ckpt, options=options)
         assert_bit_identical(slabs, ckpt)
+
+
+async def test_cuda_device_without_an_index_is_the_current_one(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # The copies run on I/O threads, whose current device is 0: an index-less "cuda" would
+    # put their streams and events on the wrong device of a multi-GPU machine.
+    slabs = SlabSet(plan(Checkpoint.open(moe_checkpoint.root)), "cuda")
+    assert slabs.device == torch.device("cuda", torch.cuda.current_device())
+    await slabs.aclose()
+
+
+@pytest.mark.parametrize("transfer", ["staged", "mapped"])
+async def test_cuda_copies_wait_for_work_queued_on_the_current_stream(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+) -> None:
+    # The copy streams did not wait for the current stream: memory freed by work still
+    # queued there (a model swap) could be handed to the slabs, and that work then wrote
+    # over bytes the load had copied.
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    torch.cuda.synchronize()
+    scratch = torch.empty(p.nbytes + (1 << 20), dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued before the fill
+    scratch.fill_(0xA5)
+    del scratch  # freed at once; its block may become the slabs' backing
+    slabs = await load(ckpt, p, device="cuda", options=LoadOptions(transfer=transfer))  # type: ignore[arg-type]
+    torch.cuda.synchronize()
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()
