@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name as _name
 
 # Runs the demo with every module of a distribution outside the runtime dependencies made
 # unimportable, as on a machine that installed only those (optional imports, like torch's
@@ -30,10 +30,6 @@ sys.meta_path.insert(0, Absent())
 from asyncslab._cli import main
 sys.exit(main(["demo", "--size", "2MiB", "--no-progress", "--dir", sys.argv[1]]))
 """
-
-
-def _name(dist: str) -> str:
-    return re.sub(r"[-_.]+", "-", dist).lower()
 
 
 def _runtime_closure(dist: str) -> set[str]:
