@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from ._errors import CoverageError, DtypeMismatchError, PlanError
-from ._format import Checkpoint, TensorInfo, safetensors_dtype
+from ._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ._plan import (
+    _DTYPE,
+    _FILE,
+    _NAME,
+    _NBYTES,
+    _SHAPE,
     Claim,
     Route,
     Rule,
@@ -32,6 +40,8 @@ def _check_dtype(dtype: object, where: str) -> None:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{where}: a torch.dtype, e.g. torch.bfloat16, not {dtype!r}")
 
+
+_OFFSET = operator.attrgetter("offset")
 
 # One read-only label mapping for every dense slab (300,000 tensors made 300,000 dicts).
 _DENSE: Mapping[str, str] = MappingProxyType({"kind": "dense"})
@@ -56,19 +66,38 @@ class Dense:
             _check_dtype(dtype, f"Dense(dtypes={{{pattern!r}: ...}})")
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
-        regex = re.compile(self.pattern)
-        required = [(re.compile(p), dt) for p, dt in self.dtypes.items()]
-        slabs: list[SlabSpec] = []
-        routes: list[Route] = []
-        for name, info in pending.items():
-            if not regex.fullmatch(name):
-                continue
-            dtype = info.dtype
-            if required:
-                dtype = next((dt for p, dt in required if p.fullmatch(name)), dtype)
-            spec = SlabSpec(name, self.unit_of(name), dtype, (), info.shape, _DENSE)
-            slabs.append(spec)
-            routes.append(make_route(info, spec, ()))
+        # A dense checkpoint may hold hundreds of thousands of tensors: a column at a time
+        # (see frozen_columns), not a tensor at a time.
+        names = list(filter(re.compile(self.pattern).fullmatch, pending))
+        infos = list(map(pending.__getitem__, names))
+        dtypes = list(map(_DTYPE, infos))
+        if self.dtypes:
+            required = [(re.compile(p), dt) for p, dt in self.dtypes.items()]
+            dtypes = [
+                next((dt for p, dt in required if p.fullmatch(name)), own)
+                for name, own in zip(names, dtypes, strict=True)
+            ]
+        units = list(map(self.unit_of, names))
+        n = len(names)
+        slabs = frozen_columns(
+            SlabSpec,
+            n,
+            {"name": names, "unit": units, "dtype": dtypes, "item_shape": list(map(_SHAPE, infos))},
+            {"slot_dims": (), "labels": _DENSE},
+        )
+        routes = frozen_columns(
+            Route,
+            n,
+            {
+                "tensor": names,
+                "file": list(map(_FILE, infos)),
+                "src_offset": list(map(_OFFSET, infos)),
+                "nbytes": list(map(_NBYTES, infos)),
+                "slab": names,
+                "unit": units,
+            },
+            {"slot": (), "dst_offset": 0},
+        )
         return Claim(slabs=tuple(slabs), routes=tuple(routes))
 
 
@@ -106,7 +135,8 @@ class Stack:
             key = name[:start] + "*" + name[end:]
             members[key].append((index_number(match.group("index"), "index", info), info))
         slabs: list[SlabSpec] = []
-        routes: list[Route] = []
+        fields = ("tensor", "file", "src_offset", "nbytes", "slab", "slot", "dst_offset")
+        columns: dict[str, list[Any]] = {f: [] for f in (*fields, "unit", "layer")}
         for key, items in sorted(members.items()):
             dtype = self.dtype if self.dtype is not None else _agreed_dtype(key, items)
             shape = mode_shape(info.shape for _, info in items)
@@ -128,7 +158,20 @@ class Stack:
                 )
             spec = SlabSpec(key, self.unit or key, dtype, (extent,), shape, {"kind": "stack"})
             slabs.append(spec)
-            routes.extend(make_route(info, spec, (i,), layer=i) for i, info in items)
+            indices = [i for i, _ in items]
+            spec.slot_offset((min(indices),))  # refuses a negative index, naming the slot
+            step = spec.slot_nbytes
+            infos = [info for _, info in items]
+            columns["tensor"] += map(_NAME, infos)
+            columns["file"] += map(_FILE, infos)
+            columns["src_offset"] += map(_OFFSET, infos)
+            columns["nbytes"] += map(_NBYTES, infos)
+            columns["slab"] += itertools.repeat(key, len(items))
+            columns["slot"] += [(i,) for i in indices]
+            columns["dst_offset"] += [i * step for i in indices]
+            columns["unit"] += itertools.repeat(spec.unit, len(items))
+            columns["layer"] += indices
+        routes = frozen_columns(Route, len(columns["tensor"]), columns, {})
         return Claim(slabs=tuple(slabs), routes=tuple(routes))
 
 
