@@ -49,7 +49,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError
+from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, first_line
 from ._format import Checkpoint, TensorInfo
 from ._loader import LoadOptions, SlabSet, _open_checked
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
@@ -465,15 +465,17 @@ def _combined(fingerprints: Sequence[str]) -> str:
 
 class _Session:
     """One rank's side of one distributed load. The protocol (two ``all_gather_object``
-    exchanges, and the chunk broadcasts in between when sharing) runs on one thread in
-    the same order on every rank; the event loop only prepares, lands and finishes."""
+    exchanges, and in between, when sharing, a third one and the chunk broadcasts) runs on
+    one thread in the same order on every rank; the event loop only prepares, lands and
+    finishes."""
 
     def __init__(
         self,
         checkpoint: Checkpoint,
         plan: Plan,
-        slabs: SlabSet,
+        into: SlabSet | None,
         *,
+        device: str | torch.device,
         group: Any,
         share_reads: bool,
         options: LoadOptions,
@@ -481,7 +483,9 @@ class _Session:
     ) -> None:
         self.checkpoint = checkpoint
         self.plan = plan
-        self.slabs = slabs
+        # Allocated in prepare() unless given: its failure must travel in the pre-flight.
+        self._slabs = into
+        self.device = device
         self.group = group
         self.share = share_reads
         self.options = options
@@ -492,11 +496,8 @@ class _Session:
         # gloo carries CPU tensors (also when slabs live on a GPU); NCCL only CUDA ones.
         self.comm_cuda = "nccl" in backend and "gloo" not in backend
         self.comm_device = torch.device("cpu")
-        if self.comm_cuda:
-            if slabs.device.type == "cuda" and slabs.device.index is not None:
-                self.comm_device = slabs.device
-            else:
-                self.comm_device = torch.device("cuda", torch.cuda.current_device())
+        if self.comm_cuda:  # the slabs' device instead, once they exist (prepare)
+            self.comm_device = torch.device("cuda", torch.cuda.current_device())
         self.loop = asyncio.get_running_loop()
         self.lock = threading.Lock()
         self.abort_reason: str | None = None  # cancelled or timed out (set by the loop side)
@@ -513,6 +514,14 @@ class _Session:
 
     def where(self) -> str:
         return f"rank {self.rank} of {self.world}"
+
+    @property
+    def slabs(self) -> SlabSet:
+        """This rank's slabs; only past a pre-flight every rank passed (a rank whose
+        allocation failed says so in the pre-flight, and every rank stops there)."""
+        if self._slabs is None:
+            raise LoadError(f"{self.where()}: the slabs were never allocated")
+        return self._slabs
 
     # -- loop side --
 
@@ -535,8 +544,13 @@ class _Session:
         }
         try:
             # Checked here, not before the pre-flight: a rank refusing on its own would leave
-            # the others waiting in it until the group's timeout.
+            # the others waiting in it until the group's timeout; the slabs are allocated
+            # here for the same reason.
             _check_chunk_bytes(self.chunk_bytes)
+            if self._slabs is None:
+                self._slabs = SlabSet(self.plan, self.device)
+            if self.comm_cuda and self.slabs.device.type == "cuda":
+                self.comm_device = self.slabs.device
             if self.share:
                 hello["ranges"] = _pack(_needed_ranges(self.plan))
                 self.slabs._begin(self.checkpoint, self.plan, self.options)
@@ -589,7 +603,9 @@ class _Session:
                 failed = {h["rank"]: h["error"] for h in hellos if h["error"]}
                 return "error", self._error(failed, "before loading")
             if self.share:
-                self._share(hellos)
+                failed = self._share(hellos)
+                if failed:
+                    return "error", self._error(failed, "before the first shared chunk")
             else:
                 self._independent()
             reports = self._gather(self._final(), "agreement")
@@ -746,36 +762,28 @@ class _Session:
     def _failing(self) -> bool:
         return self.local_error is not None or self.abort_reason is not None
 
-    def _share(self, hellos: Sequence[dict[str, Any]]) -> None:
-        chunks = _share_chunks(
-            [_unpack(h["ranges"]) for h in hellos],
-            chunk_bytes=self.chunk_bytes,
-            gap=self.options.coalesce_gap,
-        )
+    def _share(self, hellos: Sequence[dict[str, Any]]) -> dict[int, str]:
+        """The shared pass. Returns the ranks whose set-up failed, with their errors (the
+        same on every rank; no chunk was exchanged then), else ``{}``."""
         rank, nbuf = self.rank, 2
-        mine = [k for k, c in enumerate(chunks) if c.owner == rank]
-        relevant = [c for c in chunks if c.shared or c.owner == rank]
-        size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
         pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
+        chunks: list[_Chunk] = []
+        mine: list[int] = []
+        size = 0
+        host: list[torch.Tensor] = []
+        comm = host
+        routes: _RouteIndex | None = None
 
         def staging() -> list[torch.Tensor]:
-            return [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+            try:
+                return [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+            except (RuntimeError, MemoryError) as err:
+                raise LoadError(
+                    f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
+                    f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
+                    rank=rank,
+                ) from err
 
-        host = staging()
-        comm = (
-            [torch.empty(size, dtype=torch.uint8, device=self.comm_device) for _ in range(nbuf)]
-            if self.comm_cuda
-            else host
-        )
-        self.slabs._staging_budget = nbuf * size * (2 if self.comm_cuda else 1)
-        self.slabs._staging_peak = self.slabs._staging_budget
-        routes = _RouteIndex(self.plan, self.slabs)
-        # Zero-byte routes lie in no chunk: they land now, as the loader lands them without
-        # a read (else their units never complete). Queued before any chunk's landing.
-        try:
-            self.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
-        except RuntimeError:  # the loop is closed
-            self._loop_gone()
         cond = threading.Condition()
         # "left": the protocol stopped waiting for the reader (this rank aborted while one of
         # its reads was in flight); the reader then closes the files when it returns.
@@ -843,8 +851,47 @@ class _Session:
             return None
 
         thread = threading.Thread(target=reader, name="asyncslab-dist-read", daemon=True)
-        thread.start()
+        setup_error: Exception | None = None
         try:
+            try:
+                chunks = _share_chunks(
+                    [_unpack(h["ranges"]) for h in hellos],
+                    chunk_bytes=self.chunk_bytes,
+                    gap=self.options.coalesce_gap,
+                )
+                mine = [k for k, c in enumerate(chunks) if c.owner == rank]
+                relevant = [c for c in chunks if c.shared or c.owner == rank]
+                size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
+                host[:] = staging()
+                if self.comm_cuda:
+                    comm = [
+                        torch.empty(size, dtype=torch.uint8, device=self.comm_device)
+                        for _ in range(nbuf)
+                    ]
+                self.slabs._staging_budget = nbuf * size * (2 if self.comm_cuda else 1)
+                self.slabs._staging_peak = self.slabs._staging_budget
+                routes = _RouteIndex(self.plan, self.slabs)
+                thread.start()
+            except Exception as err:
+                setup_error = self.local_error = err
+            # A rank whose set-up failed cannot take part in the chunks (it may lack the
+            # buffers to receive them, and it may own none to stop the group at), and its
+            # peers would wait for it in the first one until the group's timeout: every
+            # rank learns of it here, before any chunk.
+            error = None if setup_error is None else _describe(setup_error)
+            setups = self._gather({"rank": rank, "error": error}, "set-up")
+            failed: dict[int, str] = {s["rank"]: s["error"] for s in setups if s["error"]}
+            if failed or routes is None:  # routes is None only where the set-up failed
+                if rank not in failed:
+                    self.stopped_by = min(failed)
+                return failed
+            # Zero-byte routes lie in no chunk: they land now, as the loader lands them
+            # without a read (else their units never complete). Queued before any chunk's
+            # landing.
+            try:
+                self.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
+            except RuntimeError:  # the loop is closed
+                self._loop_gone()
             for k, chunk in enumerate(chunks):
                 if chunk.shared or chunk.owner == rank:
                     read = take(k) if chunk.owner == rank else None
@@ -853,6 +900,7 @@ class _Session:
                 with cond:
                     state["done"] = k + 1
                     cond.notify_all()
+            return {}
         finally:
             with cond:
                 state["stop"] = True
@@ -1119,15 +1167,19 @@ async def load(
 
     Protocol, in the same order on every rank: a pre-flight ``all_gather_object`` (same
     checkpoint files and headers everywhere; plans from :func:`rank_plan` made for this
-    rank, world and one mode; replicated plans identical; each rank's local preparation
-    succeeded), the load, then an agreement ``all_gather_object`` of every rank's outcome
-    and figures. If any rank failed, every rank raises :class:`DistributedLoadError` naming
-    it (and, where the slabs were allocated here, frees them; ``into`` slabs are reset).
+    rank, world and one mode; replicated plans identical; each rank's local preparation,
+    its slabs' allocation included, succeeded), the load, then an agreement
+    ``all_gather_object`` of every rank's outcome and figures. If any rank failed, every rank
+    raises :class:`DistributedLoadError` naming it (and, where the slabs were allocated here,
+    frees them; ``into`` slabs are reset).
 
     ``share_reads``: read each needed byte range from storage exactly once in the group;
     ranges several ranks need travel by ``dist.broadcast`` in chunks of at most
-    ``chunk_bytes``, through two staging buffers per rank (on the GPU too under NCCL).
-    Otherwise every rank reads its own plan with the ordinary loader and ``options``.
+    ``chunk_bytes``, through two staging buffers per rank (on the GPU too under NCCL). A
+    set-up ``all_gather_object`` after the pre-flight says whether every rank allocated
+    them (and set up the rest); if not, every rank fails there, before the first chunk.
+    Without ``share_reads``, every rank reads its own plan with the ordinary loader and
+    ``options``.
 
     ``timeout``: seconds after which this rank stops waiting and raises; the group is
     unusable afterwards. Its protocol thread goes on in the background: it stops landing
@@ -1144,12 +1196,13 @@ async def load(
     if dist.get_rank(group) < 0:
         raise LoadError("this process is not a member of the given process group")
     options = options or LoadOptions()
-    slabs = into if into is not None else SlabSet(plan, device)
-    await slabs._after_earlier_loads()  # one of these slabs may still be releasing
+    if into is not None:
+        await into._after_earlier_loads()  # one of these slabs may still be releasing
     session = _Session(
         checkpoint,
         plan,
-        slabs,
+        into,
+        device=device,
         group=group,
         share_reads=share_reads,
         options=options,
@@ -1180,7 +1233,7 @@ async def load(
         for r in value
     )
     return DistributedLoad(
-        slabs=slabs,
+        slabs=session.slabs,
         rank=session.rank,
         world=session.world,
         share_reads=share_reads,
@@ -1219,8 +1272,9 @@ async def _drive(
         await _local_settled(session)
         session.abandoned = True
         # Nothing more will land: close out the slabs' state so waiters wake.
-        if session.slabs.state == "loading":
-            session.slabs._finish("failed", LoadError("distributed load timed out"))
+        slabs = session._slabs
+        if slabs is not None and slabs.state == "loading":
+            slabs._finish("failed", LoadError("distributed load timed out"))
         raise DistributedLoadError(
             f"{session.where()}: distributed load did not finish within timeout={timeout} s "
             "(waiting for the other ranks or the shared reads); the process group is "
@@ -1253,15 +1307,17 @@ async def _local_settled(session: _Session) -> None:
 async def _release(session: _Session, owned: bool) -> None:
     """After a failed distributed load: no slab of this rank stays usable."""
     await _local_settled(session)
-    slabs = session.slabs
-    if slabs.state == "loading":
+    slabs = session._slabs
+    if slabs is not None and slabs.state == "loading":
         slabs._finish("failed", LoadError("distributed load failed"))
     if not session.abandoned:
         # Only left open when the protocol thread never ran; an abandoned one closes its own.
         for fd in session.fds.values():
             os.close(fd)
         session.fds.clear()
-    if owned:
+    if slabs is None:
+        pass  # its allocation failed: nothing to free
+    elif owned:
         await slabs.aclose()
     elif slabs._closed:
         pass  # closed by its owner meanwhile: nothing is handed out

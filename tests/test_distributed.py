@@ -628,6 +628,126 @@ SCENARIOS["deadline-share-slow"] = _deadline_share_slow
 SCENARIOS["deadline-share-stuck"] = _deadline_share_stuck
 
 
+def _refuse_pinned_staging() -> Callable[[], None]:
+    """Make allocating the shared reads' staging buffers fail in this process, as pinned
+    host memory running out would: the only allocations that ask for ``pin_memory``."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "pin_memory" in kwargs:
+            raise RuntimeError("out of memory (injected)")
+        return real(*args, **kwargs)
+
+    torch.empty = empty  # type: ignore[assignment]
+
+    def undo() -> None:
+        torch.empty = real
+
+    return undo
+
+
+def _refuse_slab_allocation() -> Callable[[], None]:
+    """Make the slabs ``distributed.load`` allocates fail to allocate, through the real
+    ``SlabSet`` (its allocation refused as an exhausted allocator refuses it)."""
+    real_slabset, real_empty = distributed.SlabSet, torch.empty
+
+    def refuse(*args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: not enough memory (injected)")
+
+    def failing(plan: asyncslab.Plan, device: Any = "cpu") -> asyncslab.SlabSet:
+        torch.empty = refuse  # type: ignore[assignment]
+        try:
+            return real_slabset(plan, device)
+        finally:
+            torch.empty = real_empty
+
+    distributed.SlabSet = failing  # type: ignore[assignment,misc]
+
+    def undo() -> None:
+        distributed.SlabSet = real_slabset  # type: ignore[misc]
+
+    return undo
+
+
+def _refuse_route_index() -> Callable[[], None]:
+    """Make the set-up after the pre-flight fail past the staging buffers."""
+    real = distributed._RouteIndex.__init__
+
+    def broken(self: Any, *args: Any) -> None:
+        raise RuntimeError("route index broke (injected)")
+
+    distributed._RouteIndex.__init__ = broken  # type: ignore[method-assign]
+
+    def undo() -> None:
+        distributed._RouteIndex.__init__ = real  # type: ignore[method-assign]
+
+    return undo
+
+
+def _refuse_open() -> Callable[[], None]:
+    """Make opening a shard for the shared reads fail, as a permission error would."""
+    real = distributed._open_checked
+
+    def refuse(path: Path, *args: Any, **kwargs: Any) -> int:
+        raise asyncslab.ReadError("cannot open it: permission denied (injected)", file=path)
+
+    distributed._open_checked = refuse
+
+    def undo() -> None:
+        distributed._open_checked = real
+
+    return undo
+
+
+#: What fails on rank 1 between its call and the first shared chunk: (fault, share_reads).
+SET_UP_FAILURES: dict[str, tuple[Callable[[], Callable[[], None]], bool]] = {
+    "staging": (_refuse_pinned_staging, True),
+    "route-index": (_refuse_route_index, True),
+    "slabs/share": (_refuse_slab_allocation, True),
+    "slabs/own": (_refuse_slab_allocation, False),
+    "open": (_refuse_open, True),
+}
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _set_up_fails(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1 fails to set its load up (staging buffers, slabs, ...), one case after
+    another in one process group, then a good load. A case that leaves rank 0 waiting in
+    a collective breaks the group and ends the run."""
+    out: dict[str, Any] = result.setdefault("set_up", {})
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    fds = _open_fds()
+    for case, (fault, share) in SET_UP_FAILURES.items():
+        undo = fault() if rank == 1 else (lambda: None)
+        try:
+            got = await _attempt(
+                distributed.load(ckpt, plan, share_reads=share, chunk_bytes=SHARE_CHUNK)
+            )
+        finally:
+            undo()
+        out[case] = got
+        if rank == 1 and got["type"] != "DistributedLoadError":
+            # It left the protocol on its own. A server stays up after a failed load:
+            # stay long enough for rank 0 to show what waiting for this rank costs.
+            await asyncio.sleep(HUNG_PG_TIMEOUT + 1)
+            result["group_broken"] = True
+            return
+        if "collective failed" in got.get("message", ""):
+            result["group_broken"] = True
+            return
+    out["after"] = await _attempt(
+        distributed.load(ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK)
+    )
+    out["fds_leaked"] = _open_fds() - fds
+
+
+SCENARIOS["set-up-fails"] = _set_up_fails
+
+
 # --- tests: modes --------------------------------------------------------------------------
 
 
@@ -1031,3 +1151,44 @@ def test_a_shared_load_past_its_timeout_fails_the_others_in_step(
     expected = f"distributed load failed on rank 1 of 2: load timed out after {deadline} s"
     assert expected in got["message"], got
     assert got["cause"] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_failing_to_set_up_its_load_fails_every_rank_in_step(
+    tmp_path: Path, checkpoints2: Path
+) -> None:
+    """Rank 1's staging buffers (or its slabs, or the rest of its set-up) cannot be
+    allocated: every rank fails at once naming rank 1, not at the group's timeout."""
+    results = _spawn(tmp_path, 2, "set-up-fails", checkpoints2, pg_timeout=HUNG_PG_TIMEOUT, wait=40)
+    assert all(r is not None for r in results)
+    outcomes = [r["set_up"] for r in results if r is not None]
+    causes = {
+        "staging": "LoadError",
+        "route-index": "RuntimeError",
+        "slabs/share": "LoadError",
+        "slabs/own": "LoadError",
+        "open": "ReadError",
+    }
+    why = {
+        "staging": "cannot allocate the staging buffers of the shared reads",
+        "route-index": "RuntimeError: route index broke (injected)",
+        "slabs/share": "slabs on cpu: DefaultCPUAllocator",
+        "slabs/own": "slabs on cpu: DefaultCPUAllocator",
+        "open": "ReadError: ",
+    }
+    for case in SET_UP_FAILURES:
+        for rank, out in enumerate(outcomes):
+            assert case in out, (rank, case, out)
+            got = out[case]
+            assert got["type"] == "DistributedLoadError", (rank, case, got)
+            assert got["load_error"]
+            assert got["ranks"] == [1], (rank, case, got)
+            assert "distributed load failed on rank 1 of 2: " in got["message"], (case, got)
+            assert why[case] in got["message"], (case, got)
+            assert "(injected)" in got["message"], (case, got)
+            # In step: long before the group's timeout.
+            assert got["elapsed"] < HUNG_PG_TIMEOUT / 2, (rank, case, got)
+            assert got["cause"] == (causes[case] if rank == 1 else None), (rank, case, got)
+    for rank, out in enumerate(outcomes):
+        assert out["after"] == {"type": None}, (rank, out["after"])
+        assert out["fds_leaked"] == 0, (rank, out)
