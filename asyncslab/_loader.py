@@ -17,9 +17,11 @@ import math
 import operator
 import os
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+import traceback
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -430,6 +432,10 @@ class SlabSet:
             if self._closing and task.cancelled() and not (current and current.cancelling()):
                 raise ClosedError("the SlabSet was closed while this load ran") from None
             raise
+        finally:
+            # The load's error keeps this frame in its traceback, and the SlabSet keeps the
+            # error: holding self here too would be a cycle (see _forget_locals).
+            del self, task
 
     async def aclose(self) -> None:
         """Cancel a running load, wait for it to release everything, free the slabs.
@@ -516,6 +522,8 @@ class SlabSet:
         def settle(task: asyncio.Task[SlabSet]) -> None:
             if self._generation == generation:  # not a later load's
                 self._settle(task)
+                if self._state != "complete":
+                    _forget_locals(self._tracker.error)
             if self._task is task and self._state == "complete":
                 # A finished task's result is this SlabSet: held here, the pair is a cycle
                 # that only the garbage collector frees, and a dropped SlabSet would keep
@@ -658,12 +666,14 @@ class SlabSet:
                 self._staging = staging
                 self._staging_budget = options.staging_bytes
                 read_one = self._staged_reads(reads, fds, paths, staging, copier)
+            children: list[asyncio.Task[None]] = []
             try:
                 async with asyncio.TaskGroup() as tg:
 
                     def unit_done(unit: str) -> None:
                         if on_unit_ready is not None:
                             task = tg.create_task(_callback(on_unit_ready, unit, self))
+                            children.append(task)
                             self._callbacks.add(task)
                             task.add_done_callback(self._callbacks.discard)
 
@@ -671,13 +681,16 @@ class SlabSet:
                     for route in sched.empty:
                         self._tracker.land(route, 0)
                     workers = min(workers, max(1, len(sched.ops)))
-                    tg.create_task(
-                        self._read_all(sched.ops, paths, read_one, pool, options, workers, progress)
+                    reading = self._read_all(
+                        sched.ops, paths, read_one, pool, options, workers, progress
                     )
+                    children.append(tg.create_task(reading))
             except BaseExceptionGroup as group:
                 error = _first_error(group)
                 # Re-raise the root error alone, keeping its own cause (the OSError).
                 raise error from error.__cause__
+            finally:
+                _forget_cancelled(children)
             if not self.complete:
                 missing = [u for u in plan.units if not self._tracker.is_complete(u)]
                 raise IncompleteLoadError(f"load finished with incomplete units {missing[:5]}")
@@ -852,12 +865,16 @@ class SlabSet:
     ) -> Callable[[ReadOp, torch.Tensor, int], None]:
         """``copier.copy`` for one read's bytes in ``source``, a failure raised as a
         :class:`LoadError` naming the read and its first tensor."""
-        backing, route_base = self._backing, self._route_base
+        slabs = weakref.ref(self)  # as in _read_all: the closure must not keep the slabs
+        route_base = self._route_base
         routes, device = self._run_plan.routes, self.device
 
         def copy(op: ReadOp, source: torch.Tensor, worker: int) -> None:
             try:
-                copier.copy(op, source, backing, route_base, worker)
+                owner = slabs()
+                if owner is None:  # a read stuck past read_timeout, returning too late
+                    raise LoadError("the SlabSet is gone")
+                copier.copy(op, source, owner._backing, route_base, worker)
             except Exception as err:
                 first = routes[op.pieces[0][0]]
                 raise LoadError(
@@ -902,22 +919,27 @@ class SlabSet:
             broken.append(err)
             feed.stop()
 
-        ticker = _Ticker(progress, options.progress_interval, self.statistics, fail)
+        # Weakly: these closures lie in the tracebacks of a failed load's reads, and a frame
+        # keeps its function, and so the closure's cells, even once cleared. Held strongly,
+        # the SlabSet would be in a cycle through the error it keeps for ready(): dropped
+        # by its owner after a failure, it would keep its slabs until a full collection.
+        slabs = weakref.ref(self)
+        ticker = _Ticker(progress, options.progress_interval, _weakly(self.statistics), fail)
 
         def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
             # A load that is over or being torn down (this task cancelled: the load was
             # cancelled, or a unit callback failed) lands nothing more, so no unit completes
             # and no callback is started for a task group that is shutting down.
-            if feed.stopped or (me is not None and me.cancelling()):
+            if feed.stopped or (me is not None and me.cancelling()) or (owner := slabs()) is None:
                 return
             try:
-                self._reads += 1
-                self._bytes_read += n
+                owner._reads += 1
+                owner._bytes_read += n
                 total = 0
                 for route, _, _, nbytes in ops[index].pieces:
                     land(route, nbytes)
                     total += nbytes
-                self._bytes_landed += total
+                owner._bytes_landed += total
                 ticker.tick()
             except Exception as err:  # a landing or progress-callback error ends the load
                 fail(err)
@@ -939,14 +961,18 @@ class SlabSet:
                 feed.stop()
                 raise
 
+        children: list[asyncio.Task[None]] = []
         try:
             async with asyncio.TaskGroup() as tg:
                 drives = [tg.create_task(pool.run(drive, w)) for w in range(workers)]
+                children += drives
                 if options.read_timeout is not None:
-                    tg.create_task(_watch(feed, drives, options.read_timeout, ops, paths))
+                    watch = _watch(feed, drives, options.read_timeout, ops, paths)
+                    children.append(tg.create_task(watch))
         finally:
             feed.stop()
             ticker.close()
+            _forget_cancelled(children)
         if broken:
             raise broken[0]
         if not (me is not None and me.cancelling()):
@@ -1142,6 +1168,60 @@ async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
         raise
     except Exception as err:
         raise LoadError(f"on_unit_ready callback failed for unit {unit!r}: {err!r}") from err
+
+
+def _forget_locals(error: BaseException | None) -> None:
+    """Clear the local variables of the frames in a finished load's error and its causes.
+
+    The SlabSet keeps its last load's error (``ready()`` raises it as the cause), and the
+    error's traceback keeps every frame it went through with their locals: ``self``, the
+    slabs. That is a cycle, so a failed or cancelled SlabSet that was dropped without
+    ``aclose()`` kept its slabs (VRAM on a GPU) until the garbage collector's next full
+    pass, and the server's retry could not allocate. Files and lines stay, for logs.
+
+    Runs when the load's task is done, before its awaiting caller resumes: the frames are
+    finished then (``traceback.clear_frames`` leaves a frame still running, such as an I/O
+    thread's loop, alone), and the caller's own frames are not in the traceback yet.
+    """
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        traceback.clear_frames(err.__traceback__)
+        pending += [err.__cause__, err.__context__]
+        if isinstance(err, BaseExceptionGroup):
+            pending += err.exceptions
+
+
+def _weakly(method: Callable[[], T]) -> Callable[[], T]:
+    """``method``, holding its object weakly (see ``_read_all``). The load calls it only
+    while it runs, when its own frames hold the object."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> T:
+        bound = ref()
+        if bound is None:
+            raise LoadError("the SlabSet is gone")
+        return bound()
+
+    return call
+
+
+def _forget_cancelled(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Clear the frames of the tasks a failed load cancelled, as :func:`_forget_locals`
+    does for its error: a cancelled task keeps the ``CancelledError`` raised in it, whose
+    traceback holds the load's closures and so the slabs, in cycles asyncio leaves to the
+    garbage collector. ``result()`` hands that error over once, and lets the task go of it.
+    """
+    for task in tasks:
+        if task.done() and task.cancelled():
+            try:
+                task.result()
+            except asyncio.CancelledError as err:
+                err.__traceback__ = None
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -433,3 +434,85 @@ async def test_a_plain_unit_callback_fails_the_load_saying_it_must_be_async(
         with pytest.raises(asyncslab.LoadError, match="on_unit_ready must be an async function"):
             await slabs.load(ckpt, options=SMALL, on_unit_ready=postprocess)  # type: ignore[arg-type]
     assert called
+
+
+@pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
+@pytest.mark.parametrize(
+    "how", ["unit callback", "progress callback", "read error", "cancelled", "start"]
+)
+async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_collector(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+    transfer: str,
+) -> None:
+    """A server whose load failed drops the SlabSet and retries with a new one: the old
+    slabs must go with the last reference. The failed load's error, kept for ready(),
+    held the frames of the load in its traceback, with the slabs in their locals: a cycle,
+    freed only by a collection that may come minutes later (VRAM on a GPU: the retry's
+    allocation failed meanwhile)."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    kwargs: dict[str, Any] = {"options": replace(SMALL, transfer=transfer)}
+    if how == "unit callback":
+
+        async def unit_ready(unit: str, slabs: SlabSet) -> None:
+            raise RuntimeError("injected")
+
+        kwargs["on_unit_ready"] = unit_ready
+    elif how == "progress callback":
+
+        def progress(stats: asyncslab.LoadStatistics) -> None:
+            if stats.bytes_landed:
+                raise RuntimeError("injected")
+
+        kwargs["progress"] = progress
+    elif how == "read error" and transfer == "direct":
+        failing_first_read(monkeypatch, others_take=0.02)
+    elif transfer == "direct":
+        slow_reads(monkeypatch, 0.1)
+    else:
+        # Staged and mapped reads land through a copy: fail the first, slow the others.
+        calls = itertools.count()
+        copy = copy_module.CpuCopier.copy
+
+        def slow_copy(*args: Any) -> None:
+            if next(calls) == 0 and how == "read error":
+                raise OSError(5, "injected EIO")
+            time.sleep(0.1)
+            copy(*args)
+
+        monkeypatch.setattr(copy_module.CpuCopier, "copy", slow_copy)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        slabs = SlabSet(p)
+        backing = weakref.ref(slabs._backing)
+        if how == "start":
+            task = slabs.start(ckpt, **kwargs)
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            del task
+        elif how == "cancelled":
+            load = asyncio.ensure_future(slabs.load(ckpt, **kwargs))
+            await asyncio.sleep(0.05)
+            load.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            del load
+        else:
+            with pytest.raises(asyncslab.AsyncSlabError):
+                await slabs.load(ckpt, **kwargs)
+        assert slabs.state in ("failed", "cancelled")
+        with pytest.raises(asyncslab.IncompleteLoadError) as err:
+            await slabs.ready()  # the error is still there for ready()
+        assert err.value.__cause__ is not None
+        del err, slabs
+        await asyncio.sleep(0)
+        assert backing() is None
+    finally:
+        if enabled:
+            gc.enable()
