@@ -1179,9 +1179,11 @@ def _forget_locals(error: BaseException | None) -> None:
     ``aclose()`` kept its slabs (VRAM on a GPU) until the garbage collector's next full
     pass, and the server's retry could not allocate. Files and lines stay, for logs.
 
-    Runs when the load's task is done, before its awaiting caller resumes: the frames are
-    finished then (``traceback.clear_frames`` leaves a frame still running, such as an I/O
-    thread's loop, alone), and the caller's own frames are not in the traceback yet.
+    Runs when the load's task is done, before its awaiting caller resumes: the caller's own
+    frames are not in the traceback yet, and every frame in it is finished — the load's,
+    its child tasks' (its task groups waited for them) and its callbacks' — or running
+    in an I/O thread, which ``traceback.clear_frames`` leaves alone. That matters: before
+    Python 3.13, clearing the frame of a suspended coroutine would close the coroutine.
     """
     seen: set[int] = set()
     pending = [error]
@@ -1211,10 +1213,10 @@ def _weakly(method: Callable[[], T]) -> Callable[[], T]:
 
 
 def _forget_cancelled(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Clear the frames of the tasks a failed load cancelled, as :func:`_forget_locals`
-    does for its error: a cancelled task keeps the ``CancelledError`` raised in it, whose
-    traceback holds the load's closures and so the slabs, in cycles asyncio leaves to the
-    garbage collector. ``result()`` hands that error over once, and lets the task go of it.
+    """Drop the tracebacks of the ``CancelledError``s of the tasks a failed load cancelled
+    (see :func:`_forget_locals`): each task keeps the one raised in it, whose traceback
+    holds the load's closures and frames in cycles asyncio leaves to the garbage collector.
+    Nobody sees these errors; ``result()`` hands one over once, and the task lets go of it.
     """
     for task in tasks:
         if task.done() and task.cancelled():
