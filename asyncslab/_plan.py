@@ -451,6 +451,15 @@ def _valid(
     Python statements took a second. Here each check compares whole columns in C; only
     a plan that fails goes through :func:`_validate`, which finds and names the fault.
     """
+    try:
+        return _valid_columns(checkpoint, slabs, routes)
+    except TypeError:  # an unhashable shape or slot a custom rule made: let it judge them
+        return False
+
+
+def _valid_columns(
+    checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], routes: Sequence[Route]
+) -> bool:
     names = list(map(_SLAB, routes))
     specs = list(map(slabs.get, names))
     if any(map(operator.is_, specs, itertools.repeat(None))):

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from asyncslab import (
     AsyncSlabError,
     Checkpoint,
+    Claim,
     Dense,
     DtypeMismatchError,
     IndexFileError,
@@ -35,6 +36,7 @@ from asyncslab import (
     SlabSpec,
     Stack,
     TensorInfo,
+    plan,
 )
 from asyncslab._format import (
     _ITEMSIZE,
@@ -477,3 +479,22 @@ def test_dense_and_stack_claims_match_routes_made_one_at_a_time(tmp_path: Path) 
         Stack(r"w(?P<index>-?\d)").claim(
             ck, {"w-1": dataclasses.replace(pending["head"], name="w-1"), "w0": pending["head"]}
         )
+
+
+def test_a_custom_rule_with_list_dims_is_judged_by_the_route_checker(tmp_path: Path) -> None:
+    """Rules are user code: a slab spec whose dims are lists (unhashable) must plan as it
+    did before column checks, not fail with a TypeError from hashing them."""
+    save_file({f"w.{i}": torch.full((4,), float(i)) for i in range(2)}, tmp_path / "m.safetensors")
+    ck = Checkpoint.open(tmp_path)
+
+    class ListDims:
+        def claim(self, checkpoint: Checkpoint, pending: Any) -> Claim:
+            spec = SlabSpec("w", "u", torch.float32, [2], [4])  # type: ignore[arg-type]
+            routes = tuple(
+                dataclasses.replace(make_route(pending[f"w.{i}"], spec, (i,)), shape=[4])  # type: ignore[arg-type]
+                for i in range(2)
+            )
+            return Claim(slabs=(spec,), routes=routes)
+
+    p = plan(ck, [ListDims()])
+    assert [p.where(f"w.{i}") for i in range(2)] == [("w", (0,)), ("w", (1,))]
