@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, first_line
 from ._format import Checkpoint, TensorInfo
-from ._loader import LoadOptions, SlabSet, _open_checked
+from ._loader import LoadOptions, SlabSet, _forget_locals, _open_checked
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Claim, Plan, Rule, plan
 from ._read import pread_scatter, scatter
@@ -1213,10 +1213,12 @@ async def load(
         verdict = await _drive(session, hello, timeout)
     except BaseException:
         await _release(session, into is None)
+        del session, into  # this frame lies in the error's traceback (see _release)
         raise
     kind, value = verdict
     if kind == "error":
         await _release(session, into is None)
+        del session, into
         raise value
     reports = tuple(
         RankReport(
@@ -1307,6 +1309,10 @@ async def _local_settled(session: _Session) -> None:
 async def _release(session: _Session, owned: bool) -> None:
     """After a failed distributed load: no slab of this rank stays usable."""
     await _local_settled(session)
+    # The slabs keep this rank's error for ready(); its traceback holds the protocol's
+    # frames, and they the session and so the slabs: clear them, as a failed load's task
+    # does (into= slabs dropped by their owner would otherwise wait for a full collection).
+    _forget_locals(session.local_error)
     slabs = session._slabs
     if slabs is not None and slabs.state == "loading":
         slabs._finish("failed", LoadError("distributed load failed"))
@@ -1330,3 +1336,7 @@ async def _release(session: _Session, owned: bool) -> None:
         error = slabs._tracker.error or LoadError("distributed load failed")
         slabs._tracker.reset()
         slabs._tracker.fail(error)
+    if not session.abandoned:
+        # The protocol's threads are done with the slabs; their frames, in the error's
+        # traceback, may keep the session: it lets go of the slabs.
+        session._slabs = None

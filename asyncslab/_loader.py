@@ -21,6 +21,7 @@ import traceback
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -245,6 +246,10 @@ class SlabSet:
         self._closed = False
         self._closing = False
         self._generation = 0
+        # Loads with a task of their own, and the errors they ended with, until the task's
+        # end clears their frames' locals (see _forget_locals), by generation.
+        self._spawned: set[int] = set()
+        self._ended_with: dict[int, BaseException] = {}
         self._error: str | None = None
         self._reset_counters()
 
@@ -515,6 +520,7 @@ class SlabSet:
     def _spawn(self, run: Coroutine[object, object, SlabSet]) -> asyncio.Task[SlabSet]:
         task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
         self._task = task
+        self._spawned.add(self._generation)
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         generation = self._generation
@@ -522,8 +528,9 @@ class SlabSet:
         def settle(task: asyncio.Task[SlabSet]) -> None:
             if self._generation == generation:  # not a later load's
                 self._settle(task)
-                if self._state != "complete":
-                    _forget_locals(self._tracker.error)
+            # Whatever the generation: a ready() caller may have begun a retry meanwhile.
+            self._spawned.discard(generation)
+            _forget_locals(self._ended_with.pop(generation, None))
             if self._task is task and self._state == "complete":
                 # A finished task's result is this SlabSet: held here, the pair is a cycle
                 # that only the garbage collector frees, and a dropped SlabSet would keep
@@ -774,6 +781,8 @@ class SlabSet:
             )
 
     def _finish(self, state: State, error: BaseException | None = None) -> None:
+        if error is not None and self._generation in self._spawned:
+            self._ended_with[self._generation] = error  # for the task's end (_spawn)
         self._state = state
         self._error = None if error is None else (str(error) or type(error).__name__)
         self._ended = time.perf_counter()
@@ -1180,10 +1189,12 @@ def _forget_locals(error: BaseException | None) -> None:
     pass, and the server's retry could not allocate. Files and lines stay, for logs.
 
     Runs when the load's task is done, before its awaiting caller resumes: the caller's own
-    frames are not in the traceback yet, and every frame in it is finished — the load's,
-    its child tasks' (its task groups waited for them) and its callbacks' — or running
-    in an I/O thread, which ``traceback.clear_frames`` leaves alone. That matters: before
-    Python 3.13, clearing the frame of a suspended coroutine would close the coroutine.
+    frames are not in the traceback yet. Only the tracebacks of errors caught in this
+    package's frames are cleared: every frame such an error went through ended with it,
+    and the frame that caught it belongs to the finished load (or runs in an I/O thread,
+    which ``traceback.clear_frames`` leaves alone). That matters: before Python 3.13,
+    clearing the frame of a suspended coroutine closes the coroutine — such as a client's
+    reader task that caught the error a callback raised ``from``, and went on running.
     """
     seen: set[int] = set()
     pending = [error]
@@ -1192,10 +1203,18 @@ def _forget_locals(error: BaseException | None) -> None:
         if err is None or id(err) in seen:
             continue
         seen.add(id(err))
-        traceback.clear_frames(err.__traceback__)
+        tb = err.__traceback__
+        # Only errors the load caught: the frames it went through all ended with it. One a
+        # callback raised "from" was caught elsewhere, maybe in a coroutine still running.
+        if tb is not None and _in_package(tb.tb_frame):
+            traceback.clear_frames(tb)
         pending += [err.__cause__, err.__context__]
         if isinstance(err, BaseExceptionGroup):
             pending += err.exceptions
+
+
+def _in_package(frame: FrameType) -> bool:
+    return str(frame.f_globals.get("__name__", "")).partition(".")[0] == __package__
 
 
 def _weakly(method: Callable[[], T]) -> Callable[[], T]:

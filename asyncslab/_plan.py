@@ -362,10 +362,11 @@ def _plan(
     extras: dict[str, Any] = {}
     for rule in rules:
         claim = rule.claim(checkpoint, MappingProxyType(pending))
-        named = dict(zip(map(_NAME, claim.slabs), claim.slabs, strict=True))
-        if len(named) != len(claim.slabs) or not slabs.keys().isdisjoint(named):
+        specs = tuple(claim.slabs)  # read twice below: a rule may have given an iterator
+        named = dict(zip(map(_NAME, specs), specs, strict=True))
+        if len(named) != len(specs) or not slabs.keys().isdisjoint(named):
             seen = set(slabs)
-            for spec in claim.slabs:
+            for spec in specs:
                 if spec.name in seen:
                     raise CoverageError(f"two rules define slab {spec.name!r}")
                 seen.add(spec.name)

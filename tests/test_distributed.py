@@ -580,6 +580,36 @@ async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any])
 SCENARIOS["copy-fails"] = _copy_fails
 
 
+async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1's shared read fails into ``into=`` slabs on every rank; each rank then drops
+    its slabs without closing them, with the garbage collector off."""
+    import gc
+    import weakref
+
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    if rank == 1:
+
+        def refuse(*args: Any, **kwargs: Any) -> int:
+            raise OSError(errno.EIO, "injected EIO")
+
+        distributed.pread_scatter = refuse  # type: ignore[assignment]
+    gc.collect()
+    gc.disable()
+    slabs = asyncslab.SlabSet(plan)
+    backing = weakref.ref(slabs._backing)
+    result["outcome"] = await _attempt(
+        distributed.load(ckpt, plan, share_reads=True, into=slabs, chunk_bytes=SHARE_CHUNK)
+    )
+    result["state"] = slabs.state
+    del slabs
+    await asyncio.sleep(0.05)
+    result["freed"] = backing() is None
+
+
+SCENARIOS["into-dropped"] = _into_dropped
+
+
 #: A process-group timeout the tests below must never wait for (their own is shorter).
 NEVER_PG_TIMEOUT = 60.0
 
@@ -1192,3 +1222,19 @@ def test_a_rank_failing_to_set_up_its_load_fails_every_rank_in_step(
     for rank, out in enumerate(outcomes):
         assert out["after"] == {"type": None}, (rank, out["after"])
         assert out["fds_leaked"] == 0, (rank, out)
+
+
+@pytest.mark.timeout(60)
+def test_into_slabs_of_a_failed_shared_load_are_freed_when_dropped(
+    tmp_path: Path, checkpoints2: Path
+) -> None:
+    """The failed load's error, kept by the slabs for ready(), held the protocol's frames,
+    and they the session and so the slabs: dropped without aclose(), they stayed until a
+    full garbage collection."""
+    results = _spawn(tmp_path, 2, "into-dropped", checkpoints2, pg_timeout=HUNG_PG_TIMEOUT, wait=40)
+    for rank, r in enumerate(results):
+        assert r is not None, rank
+        assert r["outcome"]["type"] == "DistributedLoadError", (rank, r)
+        assert r["outcome"]["ranks"] == [1], (rank, r)
+        assert r["state"] == "failed", (rank, r)
+        assert r["freed"], (rank, r)

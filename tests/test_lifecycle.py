@@ -516,3 +516,75 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
     finally:
         if enabled:
             gc.enable()
+
+
+async def test_a_failed_load_leaves_coroutines_that_caught_its_cause_running(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """A unit callback raises ``from`` an error that a client's reader task caught and went
+    on running after (reconnecting). Freeing a failed load's frames must leave that task's
+    frame alone: before Python 3.13, clearing a suspended coroutine's frame closes it, and
+    the reader died with "cannot reuse already awaited coroutine"."""
+    caught: list[BaseException] = []
+    ticks = 0
+
+    async def reader() -> None:
+        nonlocal ticks
+        while True:
+            try:
+                raise ConnectionResetError("peer reset")
+            except ConnectionResetError as err:
+                caught.append(err)  # this frame is in err's traceback, and stays alive
+            ticks += 1
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(reader())
+    await asyncio.sleep(0.02)
+    ckpt = Checkpoint.open(small_checkpoint.root)
+
+    async def unit_ready(unit: str, slabs: SlabSet) -> None:
+        raise RuntimeError("cannot warm up") from caught[-1]
+
+    slabs = SlabSet(plan(ckpt))
+    with pytest.raises(asyncslab.LoadError, match="cannot warm up"):
+        await slabs.load(ckpt, options=SMALL, on_unit_ready=unit_ready)
+    before = ticks
+    await asyncio.sleep(0.1)
+    assert not task.done(), task
+    assert ticks > before
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await slabs.aclose()
+
+
+async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ready() raises while the failed load's task still drains; a server then resets and
+    reloads at once. The failed load's frames must still be let go of when its task ends
+    (that load is no longer the current one then), or the SlabSet, dropped later without
+    aclose(), keeps its slabs until a full collection."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    failing_first_read(monkeypatch, others_take=0.02)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        slabs = SlabSet(plan(ckpt))
+        backing = weakref.ref(slabs._backing)
+        task = slabs.start(ckpt, options=SMALL)
+        with pytest.raises(asyncslab.IncompleteLoadError):
+            await slabs.ready()
+        task.add_done_callback(lambda t: t.exception())  # retrieved: only the retry counts
+        del task
+        monkeypatch.undo()
+        slabs.reset()
+        await slabs.load(ckpt, options=SMALL)
+        assert_bit_identical(slabs, ckpt)
+        del slabs
+        await asyncio.sleep(0.05)
+        assert backing() is None
+    finally:
+        if enabled:
+            gc.enable()
