@@ -83,17 +83,22 @@ class SlabSpec:
 
     def slot_offset(self, slot: tuple[int, ...]) -> int:
         """Byte offset of ``slot`` within the backing."""
-        dims = self.slot_dims
-        if len(slot) != len(dims):
-            raise PlanError(f"slot {slot} is outside slab {self.name!r} {dims}")
-        if not dims:  # a slab of one tensor (most of a dense checkpoint's): planned per tensor
-            return 0
-        linear = 0
-        for index, extent in zip(slot, dims, strict=True):
-            if not 0 <= index < extent:
-                raise PlanError(f"slot {slot} is outside slab {self.name!r} {dims}")
-            linear = linear * extent + index
-        return linear * self.slot_nbytes
+        linear = _linear(slot, self.slot_dims)
+        if linear < 0:
+            raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}")
+        return linear * self.slot_nbytes if linear else 0
+
+
+def _linear(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
+    """The row-major index of ``slot`` among ``dims``, or -1 if it lies outside them."""
+    if len(slot) != len(dims):
+        return -1
+    linear = 0  # and 0 for a slab of one tensor (most of a dense checkpoint's)
+    for index, extent in zip(slot, dims, strict=True):
+        if not 0 <= index < extent:
+            return -1
+        linear = linear * extent + index
+    return linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +440,7 @@ _FILE = operator.attrgetter("file")
 _SRC_OFFSET = operator.attrgetter("src_offset")
 _SLAB = operator.attrgetter("slab")
 _SLOT = operator.attrgetter("slot")
+_DST_OFFSET = operator.attrgetter("dst_offset")
 _SHAPE = operator.attrgetter("shape")
 _NBYTES = operator.attrgetter("nbytes")
 _DTYPE = operator.attrgetter("dtype")
@@ -454,8 +460,8 @@ def _valid(
     """
     try:
         return _valid_columns(checkpoint, slabs, routes)
-    except TypeError:  # an unhashable shape or slot a custom rule made: let it judge them
-        return False
+    except (TypeError, PlanError):  # an unhashable shape, a slot outside its slab: judged
+        return False  # by the per-route checker
 
 
 def _valid_columns(
@@ -480,6 +486,18 @@ def _valid_columns(
     size = {k: math.prod(k[0]) * k[1].itemsize for k in set(kinds)}
     if list(map(_NBYTES, routes)) != list(map(size.__getitem__, kinds)):
         return False
+    # Each route's byte offset is its slot's, and its slot inside its slab; in slabs of one
+    # slot each (a dense checkpoint's), that is slot () at byte 0.
+    slots = list(map(_SLOT, routes))
+    offsets = list(map(_DST_OFFSET, routes))
+    slab_dims = list(map(_SLOT_DIMS, specs))
+    if slab_dims.count(()) == len(specs) and slots.count(()) == len(slots):
+        if offsets.count(0) != len(offsets):
+            return False
+    else:
+        linear = list(map(_linear, slots, slab_dims))
+        if -1 in linear or offsets != list(map(operator.mul, linear, map(size.__getitem__, kinds))):
+            return False
     # Exact coverage: as many routes into each slab as it has slots, and no two into one
     # slot (a slot outside the slab's dims would take the place of one left empty).
     dims = list(map(_SLOT_DIMS, slabs.values()))
@@ -534,6 +552,29 @@ def _validate(
                 layer=route.layer,
                 expert=route.expert,
                 shard=route.shard,
+            )
+        # The loader writes at the route's byte offset, not its slot: a custom rule's route
+        # whose offset disagrees with its slot, or whose slot lies outside the slab, would
+        # write outside its slot, or outside the slabs.
+        try:
+            start = spec.slot_offset(route.slot)
+        except PlanError:
+            raise CoverageError(
+                f"lands in slot {route.slot}, outside slab {route.slab!r} of slots "
+                f"{spec.slot_dims}",
+                file=info.file,
+                tensor=info.name,
+                slab=route.slab,
+                slot=route.slot,
+            ) from None
+        if route.dst_offset != start:
+            raise PlanError(
+                f"lands at byte {route.dst_offset} of its slab, but {route.describe()} starts "
+                f"at byte {start} (make routes with make_route)",
+                file=info.file,
+                tensor=info.name,
+                slab=route.slab,
+                slot=route.slot,
             )
         earlier = filled[route.slab].get(route.slot)
         if earlier is not None:

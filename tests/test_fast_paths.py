@@ -29,6 +29,7 @@ from asyncslab import (
     AsyncSlabError,
     Checkpoint,
     Claim,
+    CoverageError,
     Dense,
     DtypeMismatchError,
     IndexFileError,
@@ -353,13 +354,17 @@ def routed(draw: st.DrawFn) -> tuple[Any, dict[str, SlabSpec], list[Route]]:
         k = draw(st.integers(0, len(routes) - 1))
         r = routes[k]
         fault = draw(
-            st.sampled_from(["dtype", "shape", "nbytes", "slot", "slab", "drop", "twice", "sliced"])
+            st.sampled_from(
+                ["dtype", "shape", "nbytes", "slot", "slab", "drop", "twice", "sliced", "offset"]
+            )
         )
         info = tensors[r.tensor]
         if fault == "dtype":
             tensors[r.tensor] = dataclasses.replace(info, dtype=draw(st.sampled_from(DTYPES)))
         elif fault == "shape":
             tensors[r.tensor] = dataclasses.replace(info, shape=(*info.shape, 1))
+        elif fault == "offset":
+            routes[k] = dataclasses.replace(r, dst_offset=r.dst_offset + draw(st.integers(-8, 8)))
         elif fault == "nbytes":
             routes[k] = dataclasses.replace(r, nbytes=r.nbytes + draw(st.integers(-1, 1)))
         elif fault == "slot":
@@ -498,3 +503,34 @@ def test_a_custom_rule_with_list_dims_is_judged_by_the_route_checker(tmp_path: P
 
     p = plan(ck, [ListDims()])
     assert [p.where(f"w.{i}") for i in range(2)] == [("w", (0,)), ("w", (1,))]
+
+
+def test_a_route_that_would_write_outside_its_slot_is_refused(tmp_path: Path) -> None:
+    """The loader writes at a route's byte offset: a custom rule's route whose offset is
+    not its slot's, or whose slot lies outside the slab, would write over another slot or
+    outside the slabs. Planning refuses both, naming the tensor."""
+    save_file({f"w.{i}": torch.full((4,), float(i)) for i in range(2)}, tmp_path / "m.safetensors")
+    ck = Checkpoint.open(tmp_path)
+
+    class Shifted:
+        def __init__(self, slot: tuple[int, ...], offset: int) -> None:
+            self.slot, self.offset = slot, offset
+
+        def claim(self, checkpoint: Checkpoint, pending: Any) -> Claim:
+            spec = SlabSpec("w", "u", torch.float32, (2,), (4,))
+            first = make_route(pending["w.0"], spec, (0,))
+            last = dataclasses.replace(
+                make_route(pending["w.1"], spec, (1,)), slot=self.slot, dst_offset=self.offset
+            )
+            return Claim(slabs=iter([spec]), routes=(first, last))  # type: ignore[arg-type]
+
+    assert plan(ck, [Shifted((1,), 16)]).where("w.1") == ("w", (1,))  # an iterator is read once
+    with pytest.raises(
+        PlanError, match=r"lands at byte 1024 of its slab, but .* starts at byte 16"
+    ) as err:
+        plan(ck, [Shifted((1,), 1024)])
+    assert err.value.tensor == "w.1"
+    with pytest.raises(
+        CoverageError, match=r"lands in slot \(5,\), outside slab 'w' of slots \(2,\)"
+    ):
+        plan(ck, [Shifted((5,), 80)])
