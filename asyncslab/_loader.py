@@ -11,13 +11,13 @@ cancelled, after waiting for reads already inside a thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import inspect
 import math
 import operator
 import os
 import time
-import traceback
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1156,8 +1156,12 @@ def _refuse_awaitable(result: object, what: str) -> None:
 
 
 async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
+    coro: Coroutine[Any, Any, Any] | None = None
+    frame: FrameType | None = None
     try:
         pending = callback(unit, slabs)
+        coro = pending if inspect.iscoroutine(pending) else None
+        frame = None if coro is None else coro.cr_frame  # None once it has ended
         if not inspect.isawaitable(pending):
             # A plain function: it ran, but the loader awaits the callback (it may do I/O),
             # and torch's "NoneType can't be used in 'await'" would not say why.
@@ -1177,6 +1181,13 @@ async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
         raise
     except Exception as err:
         raise LoadError(f"on_unit_ready callback failed for unit {unit!r}: {err!r}") from err
+    finally:
+        # The callback's coroutine has ended: its frame, which holds the slabs it was given,
+        # may be cleared (see _forget_locals, which clears no coroutine frame of user code).
+        ended = coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+        if ended and frame is not None:
+            with contextlib.suppress(RuntimeError):
+                frame.clear()
 
 
 def _forget_locals(error: BaseException | None) -> None:
@@ -1189,12 +1200,10 @@ def _forget_locals(error: BaseException | None) -> None:
     pass, and the server's retry could not allocate. Files and lines stay, for logs.
 
     Runs when the load's task is done, before its awaiting caller resumes: the caller's own
-    frames are not in the traceback yet. Only the tracebacks of errors caught in this
-    package's frames are cleared: every frame such an error went through ended with it,
-    and the frame that caught it belongs to the finished load (or runs in an I/O thread,
-    which ``traceback.clear_frames`` leaves alone). That matters: before Python 3.13,
-    clearing the frame of a suspended coroutine closes the coroutine — such as a client's
-    reader task that caught the error a callback raised ``from``, and went on running.
+    frames are not in the traceback yet. Only the frames :func:`_clearable` allows are
+    cleared: before Python 3.13, clearing the frame of a suspended coroutine closes the
+    coroutine, and an error from user code may carry the frame of one still running (a
+    unit callback's own frame is cleared by :func:`_callback`, which saw it end).
     """
     seen: set[int] = set()
     pending = [error]
@@ -1204,16 +1213,31 @@ def _forget_locals(error: BaseException | None) -> None:
             continue
         seen.add(id(err))
         tb = err.__traceback__
-        # Only errors the load caught: the frames it went through all ended with it. One a
-        # callback raised "from" was caught elsewhere, maybe in a coroutine still running.
-        if tb is not None and _in_package(tb.tb_frame):
-            traceback.clear_frames(tb)
+        while tb is not None:
+            if _clearable(tb.tb_frame):
+                with contextlib.suppress(RuntimeError):  # running, e.g. in an I/O thread
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
         pending += [err.__cause__, err.__context__]
         if isinstance(err, BaseExceptionGroup):
             pending += err.exceptions
 
 
-def _in_package(frame: FrameType) -> bool:
+_SUSPENDABLE = (
+    inspect.CO_GENERATOR
+    | inspect.CO_COROUTINE
+    | inspect.CO_ASYNC_GENERATOR
+    | inspect.CO_ITERABLE_COROUTINE
+)
+
+
+def _clearable(frame: FrameType) -> bool:
+    """A plain function's frame (never suspended: ended, or running and refusing), or one
+    of this package's coroutines (the load's, ended with it). Not a coroutine of user code:
+    an error re-raised keeps its first traceback, which may end in the frame of a task
+    still running (a client's reader that caught it), and clearing that closes the task."""
+    if not frame.f_code.co_flags & _SUSPENDABLE:
+        return True
     return str(frame.f_globals.get("__name__", "")).partition(".")[0] == __package__
 
 
