@@ -1205,8 +1205,11 @@ def _forget_locals(error: BaseException | None) -> None:
     coroutine, and an error from user code may carry the frame of one still running (a
     unit callback's own frame is cleared by :func:`_callback`, which saw it end).
     """
+    if error is None:
+        return
+    running = _awaiting_frames()
     seen: set[int] = set()
-    pending = [error]
+    pending: list[BaseException | None] = [error]
     while pending:
         err = pending.pop()
         if err is None or id(err) in seen:
@@ -1214,7 +1217,7 @@ def _forget_locals(error: BaseException | None) -> None:
         seen.add(id(err))
         tb = err.__traceback__
         while tb is not None:
-            if _clearable(tb.tb_frame):
+            if id(tb.tb_frame) not in running and _clearable(tb.tb_frame):
                 with contextlib.suppress(RuntimeError):  # running, e.g. in an I/O thread
                     tb.tb_frame.clear()
             tb = tb.tb_next
@@ -1229,6 +1232,22 @@ _SUSPENDABLE = (
     | inspect.CO_ASYNC_GENERATOR
     | inspect.CO_ITERABLE_COROUTINE
 )
+
+
+def _awaiting_frames() -> set[int]:
+    """The frames of the coroutines each task of the running loop is suspended in: another
+    SlabSet's load still draining, say, whose error a callback of this one re-raised."""
+    frames: set[int] = set()
+    for task in asyncio.all_tasks():
+        awaiting: Any = task.get_coro()
+        while awaiting is not None:
+            frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)
+            if frame is not None:
+                frames.add(id(frame))
+            awaiting = getattr(awaiting, "cr_await", None) or getattr(
+                awaiting, "gi_yieldfrom", None
+            )
+    return frames
 
 
 def _clearable(frame: FrameType) -> bool:

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, SyntheticSpec, plan, write_synthetic
 from asyncslab import _copy as copy_module
+from asyncslab._loader import _forget_locals
 from asyncslab._read import pread_scatter
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -593,3 +594,35 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
     finally:
         if enabled:
             gc.enable()
+
+
+async def test_clearing_a_failed_loads_frames_spares_asyncslab_coroutines_still_running() -> None:
+    """The error a failed load keeps may carry, through a callback that re-raised it, the
+    frame of another SlabSet's load still draining (ready() raises as soon as a load has
+    failed). That frame is asyncslab's own, but its coroutine is running: clearing it
+    (before Python 3.13) would close it mid-drain. Stood in for here by a coroutine of a
+    module named like one of the package's."""
+    namespace: dict[str, Any] = {"__name__": "asyncslab._drain_stand_in", "asyncio": asyncio}
+    exec(
+        "async def draining(caught, ticks):\n"
+        "    try:\n"
+        "        raise OSError('stuck read')\n"
+        "    except OSError as err:\n"
+        "        caught.append(err)\n"
+        "    while True:\n"
+        "        ticks.append(1)\n"
+        "        await asyncio.sleep(0.005)\n",
+        namespace,
+    )
+    caught: list[BaseException] = []
+    ticks: list[int] = []
+    task = asyncio.create_task(namespace["draining"](caught, ticks))
+    await asyncio.sleep(0.02)
+    _forget_locals(caught[0])
+    before = len(ticks)
+    await asyncio.sleep(0.05)
+    assert not task.done(), task
+    assert len(ticks) > before
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
