@@ -17,6 +17,7 @@ import inspect
 import math
 import operator
 import os
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -521,6 +522,8 @@ class SlabSet:
         task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
         self._task = task
         self._spawned.add(self._generation)
+        with _LOAD_TASKS_LOCK:
+            _LOAD_TASKS.add(task)
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         generation = self._generation
@@ -1162,6 +1165,21 @@ async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
         pending = callback(unit, slabs)
         coro = pending if inspect.iscoroutine(pending) else None
         frame = None if coro is None else coro.cr_frame  # None once it has ended
+        await _await_callback(pending, unit)
+    except BaseException:
+        # A callback that failed has ended: its frame, which holds the slabs it was given,
+        # lies in the load's error and may be cleared (see _forget_locals, which clears no
+        # coroutine frame of user code). One that returned keeps its locals.
+        ended = coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+        if ended and frame is not None:
+            with contextlib.suppress(RuntimeError):
+                frame.clear()
+        raise
+
+
+async def _await_callback(pending: object, unit: str) -> None:
+    """What a unit callback returned, awaited; its failures as the load reports them."""
+    try:
         if not inspect.isawaitable(pending):
             # A plain function: it ran, but the loader awaits the callback (it may do I/O),
             # and torch's "NoneType can't be used in 'await'" would not say why.
@@ -1181,13 +1199,6 @@ async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
         raise
     except Exception as err:
         raise LoadError(f"on_unit_ready callback failed for unit {unit!r}: {err!r}") from err
-    finally:
-        # The callback's coroutine has ended: its frame, which holds the slabs it was given,
-        # may be cleared (see _forget_locals, which clears no coroutine frame of user code).
-        ended = coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
-        if ended and frame is not None:
-            with contextlib.suppress(RuntimeError):
-                frame.clear()
 
 
 def _forget_locals(error: BaseException | None) -> None:
@@ -1234,11 +1245,19 @@ _SUSPENDABLE = (
 )
 
 
+# Every load task, of every event loop (loads may run in loops of other threads).
+_LOAD_TASKS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+_LOAD_TASKS_LOCK = threading.Lock()
+
+
 def _awaiting_frames() -> set[int]:
-    """The frames of the coroutines each task of the running loop is suspended in: another
-    SlabSet's load still draining, say, whose error a callback of this one re-raised."""
+    """The frames of the coroutines each task of the running loop, and each load task of
+    any loop, is suspended in: another SlabSet's load still draining, say (in this loop or
+    another thread's), whose error a callback of this one re-raised."""
+    with _LOAD_TASKS_LOCK:
+        loads = list(_LOAD_TASKS)
     frames: set[int] = set()
-    for task in asyncio.all_tasks():
+    for task in {*asyncio.all_tasks(), *loads}:
         awaiting: Any = task.get_coro()
         while awaiting is not None:
             frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)

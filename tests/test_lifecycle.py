@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import inspect
 import itertools
 import json
 import re
 import shutil
+import threading
 import time
 import weakref
 from dataclasses import replace
@@ -626,3 +628,83 @@ async def test_clearing_a_failed_loads_frames_spares_asyncslab_coroutines_still_
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Model B loads in another thread's event loop; its load fails and drains. Model A's
+    unit callback asks B's loop for ``B.ready()`` and fails ``from`` its error, whose
+    traceback holds B's load frame, suspended in its drain. Freeing A's failed load must
+    leave that frame alone: clearing it closed B's load from the wrong thread, which then
+    ended with "cannot reuse already awaited coroutine" instead of its read error."""
+    spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    written_a = write_synthetic(tmp_path / "a", spec)
+    written_b = write_synthetic(tmp_path / "b", spec)
+    calls = itertools.count()
+
+    def read(*args: Any, **kwargs: Any) -> int:
+        if str(kwargs["path"]).startswith(str(written_b.root)):
+            if next(calls) == 0:
+                time.sleep(0.02)
+                raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+            time.sleep(0.5)  # B's other reads: B drains while A fails
+        return pread_scatter(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "pread_scatter", read)
+    b_ckpt = Checkpoint.open(written_b.root)
+    b_slabs = SlabSet(plan(b_ckpt))
+    b_loop = asyncio.new_event_loop()
+    ended: list[BaseException] = []
+
+    async def load_b() -> None:
+        try:
+            await b_slabs.load(b_ckpt, options=SMALL)
+        except BaseException as err:  # noqa: BLE001 - what B's load ended with is the point
+            ended.append(err)
+
+    thread = threading.Thread(target=b_loop.run_until_complete, args=(load_b(),))
+    thread.start()
+    try:
+        # B's state changes in B's thread: polled (an asyncio.Event cannot be set from there
+        # at the moment the load fails, before its drain).
+        while b_slabs.state != "failed":  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+        async def unit_ready(unit: str, slabs: SlabSet) -> None:
+            try:
+                await asyncio.wrap_future(
+                    asyncio.run_coroutine_threadsafe(b_slabs.ready(), b_loop)
+                )
+            except asyncslab.IncompleteLoadError as err:
+                raise RuntimeError("base weights unavailable") from err
+
+        a_ckpt = Checkpoint.open(written_a.root)
+        a_slabs = SlabSet(plan(a_ckpt))
+        with pytest.raises(asyncslab.LoadError, match="base weights unavailable"):
+            await a_slabs.load(a_ckpt, options=SMALL, on_unit_ready=unit_ready)
+        await a_slabs.aclose()
+    finally:
+        await asyncio.to_thread(thread.join, 30)
+        b_loop.close()
+    assert len(ended) == 1
+    assert isinstance(ended[0], asyncslab.ReadError), repr(ended[0])
+
+
+async def test_a_unit_callback_that_returned_keeps_its_frame(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """Only a failed callback's frame is cleared (it lies in the load's error); one that
+    returned keeps its locals for whatever kept its frame (a profiler, a stored error)."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    frames: list[Any] = []
+
+    async def unit_ready(unit: str, slabs: SlabSet) -> None:
+        payload = {"unit": unit}
+        frames.append(inspect.currentframe())
+        assert payload
+
+    async with SlabSet(plan(ckpt)) as slabs:
+        await slabs.load(ckpt, options=SMALL, on_unit_ready=unit_ready)
+        assert frames
+        assert all(f.f_locals["payload"] == {"unit": f.f_locals["unit"]} for f in frames)
