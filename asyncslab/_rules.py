@@ -135,8 +135,8 @@ class Stack:
             key = name[:start] + "*" + name[end:]
             members[key].append((index_number(match.group("index"), "index", info), info))
         slabs: list[SlabSpec] = []
-        fields = ("tensor", "file", "src_offset", "nbytes", "slab", "slot", "dst_offset")
-        columns: dict[str, list[Any]] = {f: [] for f in (*fields, "unit", "layer")}
+        fields = "tensor file src_offset nbytes slab slot dst_offset unit layer".split()
+        columns: dict[str, list[Any]] = {f: [] for f in fields}
         for key, items in sorted(members.items()):
             dtype = self.dtype if self.dtype is not None else _agreed_dtype(key, items)
             shape = mode_shape(info.shape for _, info in items)

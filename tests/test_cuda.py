@@ -4,7 +4,6 @@ device. Skipped cleanly where CUDA is not available (see conftest)."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 
 import pytest
@@ -13,6 +12,7 @@ from helpers import assert_bit_identical, slow_reads
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
+from asyncslab._format import _gc_paused
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
 
@@ -77,18 +77,13 @@ async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
     p = plan(ckpt)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():  # the collector off: only reference counts free
         options = LoadOptions(transfer=transfer)  # type: ignore[arg-type]
         slabs = await load(ckpt, p, device="cuda", options=options)
         assert torch.cuda.memory_allocated() >= base + p.nbytes
         del slabs
         await asyncio.sleep(0)  # the handle that resumed this step holds the load's task
         assert torch.cuda.memory_allocated() == base
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def test_cuda_cancel_releases_staging_and_retry_succeeds(

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, SyntheticSpec, plan, write_synthetic
 from asyncslab import _copy as copy_module
+from asyncslab._format import _gc_paused
 from asyncslab._loader import _forget_locals
 from asyncslab._read import pread_scatter
 
@@ -486,10 +487,8 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
             copy(*args)
 
         monkeypatch.setattr(copy_module.CpuCopier, "copy", slow_copy)
-    enabled = gc.isenabled()
     gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(p)
         backing = weakref.ref(slabs._backing)
         if how == "start":
@@ -516,9 +515,6 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
         del err, slabs
         await asyncio.sleep(0)
         assert backing() is None
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @pytest.mark.parametrize("how", ["from", "again"])
@@ -575,10 +571,8 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
     aclose(), keeps its slabs until a full collection."""
     ckpt = Checkpoint.open(small_checkpoint.root)
     failing_first_read(monkeypatch, others_take=0.02)
-    enabled = gc.isenabled()
     gc.collect()
-    gc.disable()
-    try:
+    with _gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(plan(ckpt))
         backing = weakref.ref(slabs._backing)
         task = slabs.start(ckpt, options=SMALL)
@@ -593,9 +587,6 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
         del slabs
         await asyncio.sleep(0.05)
         assert backing() is None
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def test_clearing_a_failed_loads_frames_spares_asyncslab_coroutines_still_running() -> None:

@@ -38,6 +38,7 @@ from asyncslab import (
     write_synthetic,
 )
 from asyncslab import _copy as copy_module
+from asyncslab._format import _gc_paused
 from asyncslab._read import Scatter, pread_scatter, scatter
 
 pytestmark = pytest.mark.asyncio
@@ -447,9 +448,7 @@ async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = replace(SMALL, transfer=transfer)  # type: ignore[arg-type]
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with _gc_paused():  # the collector off: only reference counts free
         loaded = await load(ckpt, p, options=options)
         started = SlabSet(p)
         task = started.start(ckpt, options=options)
@@ -461,9 +460,6 @@ async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
         # so its result) until the step ends.
         await asyncio.sleep(0)
         assert [b() for b in backings] == [None, None]
-    finally:
-        if enabled:
-            gc.enable()
 
 
 async def test_closed_slabset(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
