@@ -841,13 +841,15 @@ class _Session:
                     return filled.pop(k)
                 state["stop"] = True  # the reader starts no further chunk
                 cond.notify_all()
-                swap = not state["swapped"]
-                state["swapped"] = True
-            if swap:
-                # The read left behind may land in a staging buffer whenever it returns; a
-                # broadcast received there meanwhile would read its status byte torn. The
-                # remaining chunks pass through fresh buffers (the reader keeps the old).
-                host[:] = staging()
+                if not state["swapped"]:
+                    # The read left behind (of chunk k: the reader reads in order) may land
+                    # in its buffer whenever it returns; a broadcast received there
+                    # meanwhile would read its status byte torn. The remaining chunks pass
+                    # through the other buffer, free since chunk k - 1 was copied out
+                    # (synchronously), instead of fresh ones: an allocation that failed
+                    # here would leave this rank out of the collectives its peers wait in.
+                    state["swapped"] = True
+                    host[:] = [host[(k + 1) % nbuf]] * nbuf
             return None
 
         thread = threading.Thread(target=reader, name="asyncslab-dist-read", daemon=True)

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pickle
 import random
+import sys
 import threading
 import time
 import traceback
@@ -614,17 +615,32 @@ SCENARIOS["into-dropped"] = _into_dropped
 NEVER_PG_TIMEOUT = 60.0
 
 
+def _out_of_memory_then_stuck() -> None:
+    """From now on no staging buffer of a shared load can be allocated; then never return."""
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        # (Its caller's caller before Python 3.12, whose list comprehensions are frames.)
+        if "staging" in (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name):
+            raise RuntimeError("out of memory (injected)")
+        return real(*args, **kwargs)
+
+    torch.empty = empty  # type: ignore[assignment]
+    time.sleep(3600)
+
+
 async def _deadline_share(
-    rank: int, world: int, root: Path, result: dict[str, Any], stuck: bool
+    rank: int, world: int, root: Path, result: dict[str, Any], stuck: bool, oom: bool = False
 ) -> None:
     """Rank 1's shared load passes its own ``timeout=``: its reads are slow, or one of them
-    never returns. The other rank must hear of it in step, not at the group's timeout."""
+    never returns (``oom``: and from then on its protocol cannot allocate). The other rank
+    must hear of it in step, not at the group's timeout."""
     ckpt = _open(root, "replicated")
     plan = distributed.rank_plan(ckpt, mode="replicated")
     deadline = 1.0 if stuck else 0.3
     if rank == 1:
         if stuck:
-            _patch_preadv(_after(3, lambda: time.sleep(3600)))
+            _patch_preadv(_after(3, _out_of_memory_then_stuck if oom else lambda: time.sleep(3600)))
         else:
             _patch_preadv(lambda: time.sleep(0.02))
     result["outcome"] = await _attempt(
@@ -654,8 +670,15 @@ async def _deadline_share_stuck(rank: int, world: int, root: Path, result: dict[
     await _deadline_share(rank, world, root, result, stuck=True)
 
 
+async def _deadline_share_stuck_oom(
+    rank: int, world: int, root: Path, result: dict[str, Any]
+) -> None:
+    await _deadline_share(rank, world, root, result, stuck=True, oom=True)
+
+
 SCENARIOS["deadline-share-slow"] = _deadline_share_slow
 SCENARIOS["deadline-share-stuck"] = _deadline_share_stuck
+SCENARIOS["deadline-share-stuck-oom"] = _deadline_share_stuck_oom
 
 
 def _refuse_pinned_staging() -> Callable[[], None]:
@@ -1159,11 +1182,15 @@ def test_a_copy_failing_on_one_rank_fails_every_rank_in_step(
 
 
 @pytest.mark.timeout(45)  # < NEVER_PG_TIMEOUT: no rank may wait for the group's timeout
-@pytest.mark.parametrize("stuck", [False, True], ids=["slow-reads", "stuck-read"])
+@pytest.mark.parametrize(
+    "scenario",
+    ["deadline-share-slow", "deadline-share-stuck", "deadline-share-stuck-oom"],
+    ids=["slow-reads", "stuck-read", "stuck-read-then-out-of-memory"],
+)
 def test_a_shared_load_past_its_timeout_fails_the_others_in_step(
-    tmp_path: Path, checkpoints2: Path, stuck: bool
+    tmp_path: Path, checkpoints2: Path, scenario: str
 ) -> None:
-    scenario = "deadline-share-stuck" if stuck else "deadline-share-slow"
+    stuck = "stuck" in scenario
     results = _spawn(tmp_path, 2, scenario, checkpoints2, pg_timeout=NEVER_PG_TIMEOUT, wait=40)
     late, other = results[1], results[0]
     assert late is not None
