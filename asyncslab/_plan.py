@@ -495,7 +495,10 @@ def _valid_columns(
         if offsets.count(0) != len(offsets):
             return False
     else:
-        linear = list(map(_linear, slots, slab_dims))
+        # Per distinct (slot, dims) pair: an expert slab's slots recur in every layer.
+        pairs = list(zip(slots, slab_dims, strict=True))
+        table = {pair: _linear(*pair) for pair in set(pairs)}
+        linear = list(map(table.__getitem__, pairs))
         if -1 in linear or offsets != list(map(operator.mul, linear, map(size.__getitem__, kinds))):
             return False
     # Exact coverage: as many routes into each slab as it has slots, and no two into one

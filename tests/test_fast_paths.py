@@ -36,8 +36,11 @@ from asyncslab import (
     PlanError,
     SlabSpec,
     Stack,
+    SyntheticSpec,
     TensorInfo,
+    TieredMoE,
     plan,
+    write_synthetic,
 )
 from asyncslab._format import (
     _ITEMSIZE,
@@ -484,6 +487,71 @@ def test_dense_and_stack_claims_match_routes_made_one_at_a_time(tmp_path: Path) 
         Stack(r"w(?P<index>-?\d)").claim(
             ck, {"w-1": dataclasses.replace(pending["head"], name="w-1"), "w0": pending["head"]}
         )
+
+
+@pytest.mark.parametrize("tp_ranks", [1, 2])
+def test_tiered_moe_claims_match_routes_made_one_at_a_time(tmp_path: Path, tp_ranks: int) -> None:
+    """TieredMoE builds its routes a column at a time; each must be the route make_route
+    makes for that tensor and slot, whatever the layout, fusion, rank or ownership."""
+    spec = SyntheticSpec(n_layers=3, n_experts=6, hidden=64, intermediate=64, tp_ranks=tp_ranks)
+    ck = Checkpoint.open(write_synthetic(tmp_path, spec).root)
+    rules = [
+        TieredMoE(rank=0 if tp_ranks > 1 else None, layout=layout, fusion=fusion, owns=owns)
+        for layout in ("shard_major", "expert_major")
+        for fusion in (
+            {"w13": ("gate_proj", "up_proj"), "w2": ("down_proj",)},
+            {"w2": ("down_proj",), "w31": ("up_proj", "gate_proj")},
+            {"gate": ("gate_proj",), "up": ("up_proj",), "down": ("down_proj",)},
+        )
+        for owns in (None, lambda layer, expert: (layer + expert) % 3 != 0)
+    ]
+    for rule in rules:
+        claim = rule.claim(ck, ck.tensors)
+        slabs = {s.name: s for s in claim.slabs}
+        assert len(claim.routes) > 0
+        two_dim = 0
+        for route in claim.routes:
+            two_dim += len(route.slot) == 2
+            expected = make_route(
+                ck.tensors[route.tensor],
+                slabs[route.slab],
+                route.slot,
+                layer=route.layer,
+                expert=route.expert,
+                shard=route.shard,
+                suffix=route.suffix,
+            )
+            assert route == expected, (rule, route)
+            # The slot is the expert's place in its group, and its shard's in the fusion.
+            projs = rule.fusion[slabs[route.slab].labels["projection"]]
+            partition = claim.extras["partitions"][route.layer]
+            group, offset = partition.locate(route.expert)
+            assert slabs[route.slab].labels["group"] == group
+            shard = projs.index(route.shard)
+            if len(projs) == 1:
+                assert route.slot == (offset,)
+            elif rule.layout == "expert_major":
+                assert route.slot == (offset, shard)
+            else:
+                assert route.slot == (shard, offset)
+        assert two_dim > 0 or all(len(p) == 1 for p in rule.fusion.values())
+        plan(ck, [rule, Dense()], unmatched="ignore")  # and the planner accepts them
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [
+        ("model.layers.1234567890.mlp.experts.0.gate_proj.trellis", "layer number 1234567890"),
+        ("model.layers.1.mlp.experts.1234567890.gate_proj.trellis", "expert number 1234567890"),
+        ("model.layers.1.mlp.experts.0.gate_proj.rank1234567890.trellis", "rank number"),
+    ],
+)
+def test_tiered_moe_refuses_absurd_numbers_by_name(tmp_path: Path, name: str, what: str) -> None:
+    save_file({name: torch.zeros(2, 16, dtype=torch.int16)}, tmp_path / "model.safetensors")
+    ck = Checkpoint.open(tmp_path)
+    with pytest.raises(PlanError, match=f"{what}.* is too large") as caught:
+        TieredMoE().claim(ck, ck.tensors)
+    assert caught.value.tensor == name
 
 
 def test_a_custom_rule_with_list_dims_is_judged_by_the_route_checker(tmp_path: Path) -> None:
