@@ -66,7 +66,8 @@ class LoadOptions:
     ``read_size``: target size of one coalesced read. ``coalesce_gap``: largest gap
     between two tensors read through rather than split into two reads. ``staging_bytes`` /
     ``staging_buffers``: the pinned buffers of a CUDA target, one per I/O thread (one read
-    in flight each, of up to ``staging_bytes // staging_buffers`` bytes).
+    in flight each, of up to ``staging_bytes // staging_buffers`` bytes, rounded down to a
+    power of two: torch pins a power of two whatever the size asked).
     ``streams``: CUDA copy streams.
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``io_nice``: added to the nice value of the I/O threads (Linux, where it is per thread;
@@ -668,13 +669,12 @@ class SlabSet:
             else:
                 # Pinning blocks for long: each I/O thread pins its own buffer when it first
                 # reads (see _staging).
+                budget = _staging_budget(options.staging_bytes, options.staging_buffers, cuda)
                 staging = StagingBuffers(
-                    options.staging_bytes,
-                    options.staging_buffers,
-                    lambda size: _staging_buffer(size, cuda),
+                    budget, options.staging_buffers, lambda size: _staging_buffer(size, cuda)
                 )
                 self._staging = staging
-                self._staging_budget = options.staging_bytes
+                self._staging_budget = budget
                 read_one = self._staged_reads(reads, fds, paths, staging, copier)
             children: list[asyncio.Task[None]] = []
             try:
@@ -1332,6 +1332,16 @@ async def _uncancellable(awaitable: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+def _staging_budget(budget: int, buffers: int, pinned: bool) -> int:
+    """The bytes the staging buffers really take: pinned ones a power of two each, rounded
+    down. torch's pinned-memory allocator rounds each block up to a power of two (and keeps
+    it for reuse), so 8 buffers of 48 MiB would pin 512 MiB of a 384 MiB budget."""
+    size = budget // buffers
+    if pinned:
+        size = 1 << (size.bit_length() - 1)
+    return size * buffers
 
 
 def _staging_buffer(size: int, pin: bool) -> torch.Tensor:

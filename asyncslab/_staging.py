@@ -72,5 +72,6 @@ class StagingBuffers:
         )
 
     def close(self) -> None:
-        """Drop the buffers (pinned memory is freed when the last reference goes)."""
+        """Drop the buffers. Pinned ones go back to torch's pinned-memory cache, which keeps
+        them pinned for later pinned allocations (a next load's buffers among them)."""
         self._slots = [None] * len(self._slots)

@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from asyncslab._loader import _staging_budget
 from asyncslab._staging import StagingBuffers, StagingStatistics
 
 
@@ -66,3 +67,29 @@ def test_staging_buffers_count_concurrent_use() -> None:
         t.join()
     assert len(set(seen)) == 4
     assert staging.statistics() == StagingStatistics(4, 256, 0, 4 * 256)
+
+
+@pytest.mark.parametrize(
+    ("budget", "buffers", "pinned", "expected"),
+    [
+        (256 << 20, 8, True, 256 << 20),  # the default: 32 MiB each, a power of two
+        (384 << 20, 8, True, 256 << 20),  # 48 MiB each would pin 64 MiB each
+        ((64 << 20) + 5, 2, True, 64 << 20),
+        (3 * (16 << 10), 3, True, 3 * (16 << 10)),
+        (7, 7, True, 7),
+        (384 << 20, 8, False, 384 << 20),  # unpinned (a CPU target's staged reads): as asked
+        (100, 3, False, 99),
+    ],
+)
+def test_pinned_staging_is_sized_as_torch_pins_it(
+    budget: int, buffers: int, pinned: bool, expected: int
+) -> None:
+    """torch's pinned-memory allocator rounds each block up to a power of two: the buffers
+    are rounded down to one, so that the budget reported is what is pinned, within the
+    budget asked."""
+    got = _staging_budget(budget, buffers, pinned)
+    assert got == expected
+    size = got // buffers
+    assert got <= budget
+    if pinned:
+        assert size & (size - 1) == 0
