@@ -4,11 +4,13 @@ device. Skipped cleanly where CUDA is not available (see conftest)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
 import torch
-from helpers import assert_bit_identical, slow_reads
+from helpers import assert_bit_identical, raw_bytes, slow_reads
+from safetensors import safe_open
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
@@ -34,6 +36,21 @@ async def test_cuda_load_is_bit_identical(
         assert slabs.slab(name).device.type == "cuda"
 
 
+async def test_cuda_staging_budget_is_what_is_pinned(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    # 96 KiB asked per buffer; torch would pin 128 KiB for each: 64 KiB are used instead.
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(staging_bytes=4 * (96 << 10), staging_buffers=4)
+    async with SlabSet(p, "cuda") as slabs:
+        await slabs.load(ckpt, options=options)
+        assert_bit_identical(slabs, ckpt)
+        stats = slabs.statistics()
+        assert stats.staging_budget == 4 * (64 << 10)
+        assert 0 < stats.staging_peak <= stats.staging_budget
+
+
 async def test_cuda_views_and_reload_keep_pointers(
     moe_checkpoint: asyncslab.SyntheticCheckpoint,
 ) -> None:
@@ -57,6 +74,7 @@ async def test_cuda_views_and_reload_keep_pointers(
 async def test_cuda_peak_memory_is_the_slabs(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
+    gc.collect()  # an earlier test's garbage freed during this load would skew the peak
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -75,6 +93,7 @@ async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
     """A model swap: the old SlabSet dropped, its VRAM must be free for the next one."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
+    gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     with _gc_paused():  # the collector off: only reference counts free
@@ -111,26 +130,44 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
 async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A copy to the device that raises mid-load: the load fails naming the read, waits
-    for the copies already enqueued, releases its pinned buffers; the next load works."""
+    """A copy to the device that raises mid-load, after some of its copies were enqueued:
+    the load fails naming the read, but only once those copies have finished (they read
+    the pinned buffer the load then releases); the next load works."""
     from asyncslab import _copy
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    options = LoadOptions(staging_bytes=4 * (64 << 10), staging_buffers=4)
-    real = _copy.CudaCopier.copy
+    # One stream per I/O thread: the others' copies do not queue behind the failing one's.
+    options = LoadOptions(staging_bytes=4 * (64 << 10), staging_buffers=4, streams=4)
+    real = _copy._copy_all
     calls = [0]
+    lock = threading.Lock()  # the I/O threads copy concurrently
+    enqueued: list[torch.cuda.Event] = []
 
-    def fifth_fails(self: _copy.CudaCopier, *args: object) -> None:
-        calls[0] += 1
-        if calls[0] == 5:
-            raise RuntimeError("CUDA error: injected")
-        real(self, *args)  # type: ignore[arg-type]
+    def fifth_fails(
+        dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking: bool
+    ) -> None:
+        with lock:
+            calls[0] += 1
+            fifth = calls[0] == 5
+        if not fifth:
+            real(dst, src, non_blocking=non_blocking)
+            return
+        # On this thread's copy stream: ~1 s of GPU time, then the real copies, then fail.
+        torch.cuda._sleep(2_000_000_000)  # type: ignore[no-untyped-call]
+        real(dst, src, non_blocking=non_blocking)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        enqueued.append(event)
+        raise RuntimeError("CUDA error: injected")
 
     slabs = SlabSet(p, "cuda")
-    monkeypatch.setattr(_copy.CudaCopier, "copy", fifth_fails)
+    monkeypatch.setattr(_copy, "_copy_all", fifth_fails)
     with pytest.raises(asyncslab.LoadError, match="copy to cuda.* failed: CUDA error: injected"):
         await slabs.load(ckpt, options=options)
+    (event,) = enqueued
+    # The failed read's copies had finished before the load reported.
+    assert event.query()  # type: ignore[no-untyped-call]
     assert slabs.statistics().state == "failed"
     assert slabs._staging is None
     monkeypatch.undo()
@@ -138,6 +175,38 @@ async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
     await slabs.load(ckpt, options=options)
     assert_bit_identical(slabs, ckpt)
     await slabs.aclose()
+
+
+@pytest.mark.parametrize("transfer", ["staged", "mapped"])
+async def test_cuda_a_unit_is_on_the_device_when_its_callback_runs(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+) -> None:
+    """on_unit_ready promises a usable unit: its bytes must already be on the device (the
+    copies into it completed), not merely enqueued."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    expected: dict[str, torch.Tensor] = {}
+    for shard in ckpt.files:
+        with safe_open(shard.path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                expected[name] = f.get_tensor(name)
+    by_unit: dict[str, list[str]] = {}
+    for route in p.routes:
+        by_unit.setdefault(p.slabs[route.slab].unit, []).append(route.tensor)
+    checked: list[str] = []
+
+    async def on_unit(unit: str, slabs: SlabSet) -> None:
+        for name in by_unit.get(unit, []):
+            # .cpu() on another stream than the copies': waits for nothing they enqueued.
+            with torch.cuda.stream(torch.cuda.Stream()):  # type: ignore[no-untyped-call]
+                got = slabs.view(name).cpu()
+            assert torch.equal(raw_bytes(got), raw_bytes(expected[name])), (unit, name)
+        checked.append(unit)
+
+    options = LoadOptions(transfer=transfer, staging_bytes=4 * (64 << 10), staging_buffers=4)  # type: ignore[arg-type]
+    async with SlabSet(p, "cuda") as slabs:
+        await slabs.load(ckpt, options=options, on_unit_ready=on_unit)
+    assert sorted(checked) == sorted(p.units)
 
 
 # --- mapped: copies straight out of the page cache, pages registered with CUDA ---------------
@@ -173,6 +242,7 @@ async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = LoadOptions(transfer="mapped", staging_bytes=4 * window, staging_buffers=4)
+    gc.collect()  # an earlier test's garbage freed during this load would skew the peak
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
