@@ -20,8 +20,12 @@ What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 2
 4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then
    ``--mapped-runs`` times with ``transfer='mapped'`` (each read's pages registered with CUDA
    and copied from in place: no staging copy) and once per ``--mapped-sweep`` threads x
-   window size, then once per ``--streams`` value and per ``--staging`` buffer count, then
-   once more with the defaults (drift over the run); the old path (every per-expert tensor
+   window size, then once per ``--streams`` value and per ``--staging`` buffer count, once
+   per ``--blocking`` buffer count with copy waits that sleep instead of spinning a core,
+   then once more with the defaults (drift over the run). Before each, torch's cache of
+   pinned blocks is emptied, so that every staged load pins its own buffers, as a server's
+   first load does (the ``pinned_cache_emptied`` field says whether this torch could); the
+   old path (every per-expert tensor
    moved to the device on its own and kept, then ``torch.stack`` per slab on the device)
    ``--old-runs`` times;
 5. last (a failed registration may leave an error in the CUDA runtime), unless
@@ -43,13 +47,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--staging",
         default="16,32",
         help="staging sweep: buffers of 32 MiB (the default ring has 8), comma-separated",
+    )
+    p.add_argument(
+        "--blocking",
+        default="8,32",
+        help="loads whose copy waits sleep instead of spinning, per buffer count ('' to skip)",
     )
     p.add_argument(
         "--host-threads",
@@ -348,6 +360,35 @@ def verify(plan: Any, get: Any, k: int) -> int:
     return ok
 
 
+def empty_pinned_cache(torch: Any) -> bool:
+    """Unpin the blocks torch's pinned-memory allocator keeps for reuse; False where this
+    torch has no way to. The bounds pin their buffers before asyncslab loads: without this,
+    each staged load would reuse their pinned blocks and never pay for pinning its own, as
+    a server's first load does."""
+    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        empty = getattr(torch._C, name, None)
+        if empty is not None:
+            empty()
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def blocking_events(torch: Any, on: bool) -> Iterator[None]:
+    """With ``on``, the CUDA events asyncslab's copier waits on sleep until the copy ends
+    (``cudaEventBlockingSync``) instead of spinning a core: the I/O threads then leave the
+    CPU to the others' reads."""
+    if not on:
+        yield
+        return
+    real = torch.cuda.Event
+    torch.cuda.Event = functools.partial(real, blocking=True)
+    try:
+        yield
+    finally:
+        torch.cuda.Event = real
+
+
 def device_memory(torch: Any, device: str) -> dict[str, int]:
     return {
         "peak": torch.cuda.max_memory_allocated(device),
@@ -369,6 +410,7 @@ def load_asyncslab(
     buffers: int | None = None,
     transfer: str = "auto",
     buffer_bytes: int | None = None,
+    blocking: bool = False,
 ) -> dict[str, Any]:
     import asyncslab
 
@@ -383,13 +425,14 @@ def load_asyncslab(
         options = dataclasses.replace(options, staging_buffers=count, staging_bytes=count * size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
+    out: dict[str, Any] = {"pinned_cache_emptied": empty_pinned_cache(torch)}
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    out: dict[str, Any] = {}
 
     async def main() -> None:
         t = time.perf_counter()
-        slabs = await asyncslab.load(ckpt, plan, device=device, options=options)
+        with blocking_events(torch, blocking):
+            slabs = await asyncslab.load(ckpt, plan, device=device, options=options)
         torch.cuda.synchronize(device)
         out["seconds"] = time.perf_counter() - t
         mem = device_memory(torch, device)
@@ -414,6 +457,7 @@ def load_asyncslab(
     out["streams"] = options.streams
     out["buffers"] = options.staging_buffers  # = its I/O threads
     out["transfer"] = transfer
+    out["blocking_events"] = blocking
     torch.cuda.empty_cache()
     return out
 
@@ -607,6 +651,13 @@ def main(argv: list[str] | None = None) -> int:
         record(
             f"asyncslab {n} buffers",
             load_asyncslab(torch, ckpt, plan, device, None, args.verify, buffers=n),
+        )
+    # Waiting for each copy with a sleeping event rather than a spinning one: with more
+    # I/O threads than free cores, spinning takes CPU from the reads.
+    for n in [int(x) for x in args.blocking.split(",") if x.strip()]:
+        record(
+            f"asyncslab {n} buffers, blocking events",
+            load_asyncslab(torch, ckpt, plan, device, None, args.verify, buffers=n, blocking=True),
         )
     # The defaults once more: drift over the run, told apart from what the sweeps changed.
     record(

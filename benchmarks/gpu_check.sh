@@ -20,6 +20,13 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  python3 -c "
+from importlib.metadata import PackageNotFoundError, version
+for name in ('pytest', 'pytest-asyncio', 'pytest-timeout', 'safetensors', 'numpy', 'uvloop', 'aiofiles'):
+    try:
+        print(name, version(name))
+    except PackageNotFoundError:
+        print(name, 'MISSING')"
   nproc; free -g | head -2; df -h /tmp | tail -1
 } 2>&1 | tee "$results/machine.txt"
 python3 -c "import pytest_timeout" 2>/dev/null || echo "pytest-timeout missing: the tests will not start"

@@ -226,6 +226,13 @@ class _NoCuda:
         def synchronize(self) -> None:
             _NoCuda.Sync.synced += 1
 
+    class _C:  # noqa: N801 - stands in for torch._C
+        emptied = 0
+
+        @staticmethod
+        def _host_emptyCache() -> None:  # noqa: N802
+            _NoCuda._C.emptied += 1
+
     uint8 = torch.uint8
     device = torch.device
     frombuffer = staticmethod(torch.frombuffer)
@@ -291,15 +298,41 @@ def test_gpu_bench_load_asyncslab_runs_each_transfer(
     options it builds for a transfer, threads and window size load every tensor right."""
     ckpt = asyncslab.Checkpoint.open(moe_checkpoint.root)
     p = asyncslab.plan(ckpt)
+    emptied = _NoCuda._C.emptied
     rec = _gpu_bench().load_asyncslab(
         _NoCuda, ckpt, p, "cpu", None, len(p.routes), buffers=threads, transfer=transfer,
         buffer_bytes=window,
     )  # fmt: skip
+    # Each load pins its own buffers: the pinned blocks the bounds left were unpinned.
+    assert rec["pinned_cache_emptied"] is True
+    assert _NoCuda._C.emptied == emptied + 1
     assert rec["verified"] == len(p.routes)
     assert rec["transfer"] == transfer
     assert rec["buffers"] == (threads or asyncslab.LoadOptions().staging_buffers)
     if window is not None:  # one read per window of the shards' tensor bytes
         assert rec["reads"] == len(windows(p, window=window).ops)
+
+
+def test_gpu_bench_blocking_events_only_inside_and_only_when_asked() -> None:
+    bench = _gpu_bench()
+    made: list[dict[str, Any]] = []
+    real = _NoCuda.cuda.Event
+    _NoCuda.cuda.Event = lambda **kw: made.append(kw)  # type: ignore[assignment]
+    try:
+        with bench.blocking_events(_NoCuda, False):
+            _NoCuda.cuda.Event()
+        with bench.blocking_events(_NoCuda, True):
+            _NoCuda.cuda.Event()
+        _NoCuda.cuda.Event()
+    finally:
+        _NoCuda.cuda.Event = real
+    assert made == [{}, {"blocking": True}, {}]
+
+    class NoEmpty:
+        class _C:  # noqa: N801 - a torch without a way to empty its pinned cache
+            pass
+
+    assert bench.empty_pinned_cache(NoEmpty) is False
 
 
 def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
