@@ -140,6 +140,7 @@ class Mappings:
         mapper = _libc_mmap()
         self._maps: list[tuple[int, int]] = []
         self._sources: list[torch.Tensor | None] = []
+        self._kept: set[int] = set()
         try:
             for fd, size, path in zip(fds, sizes, paths, strict=True):
                 if size == 0:  # nothing to read, and mmap refuses a zero length
@@ -165,13 +166,19 @@ class Mappings:
         assert source is not None, "no reads from an empty file"
         return source
 
+    def keep(self, file: int) -> None:
+        """Never unmap file ``file``: a range of it stayed registered (its unregistration
+        failed). Unmapped, its addresses could go to a later mapping, which CUDA would then
+        refuse to register ("already registered") or, worse, take for the old pages."""
+        self._kept.add(file)
+
     def close(self) -> None:
         """Unmap every shard. Only once nothing copies from them any more: the tensors
         over the mappings would point at nothing."""
         maps, self._maps = self._maps, []
         self._sources = []
-        for address, size in maps:
-            if size:
+        for file, (address, size) in enumerate(maps):
+            if size and file not in self._kept:
                 _libc_mmap().munmap(address, size)
 
 
@@ -194,9 +201,13 @@ def transfer(
         try:
             registry.unregister(address)
         except (OSError, RuntimeError):  # the copy's error is the one to report
-            pass
+            mappings.keep(op.file)
         raise
-    _registering(registry.unregister, (address,), "unregister", start, length, path)
+    try:
+        _registering(registry.unregister, (address,), "unregister", start, length, path)
+    except ReadError:
+        mappings.keep(op.file)
+        raise
     return op.nbytes
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -107,6 +108,9 @@ async def test_a_mapped_load_is_bit_identical_and_leaves_nothing_mapped(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     fds = open_fds()
+    # Registrations that take a while, as CUDA's do: the threads' windows overlap in time
+    # even on a loaded machine, where one thread could otherwise finish each alone.
+    registry.delay = 0.005
     async with SlabSet(p) as slabs:
         await slabs.load(ckpt, options=MAPPED)
         assert assert_bit_identical(slabs, ckpt) == len(p.routes)
@@ -203,6 +207,71 @@ async def test_a_failing_mapped_copy_fails_the_load_and_undoes_its_registration(
         assert isinstance(err.details["slot"], tuple)
         assert err.file in {str(f.path) for f in ckpt.files}
     assert mapped_shards(ckpt) == []  # and the fixture checks every registration was undone
+
+
+class UnregisterFails(RecordingRegistry):
+    """Unregistration ``fail_unregister_at`` (counted from 1) raises, the range left
+    registered, as a failing ``cudaHostUnregister`` would leave it."""
+
+    def __init__(self, fail_unregister_at: int) -> None:
+        super().__init__()
+        self.unregistered = 0
+        self.fail_unregister_at = fail_unregister_at
+        self.stuck: list[int] = []
+
+    def unregister(self, address: int) -> None:
+        with self.lock:
+            self.unregistered += 1
+            if self.unregistered == self.fail_unregister_at:
+                self.stuck.append(address)
+                raise RuntimeError("cudaHostUnregister failed: injected (CUDA error 1)")
+        super().unregister(address)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("copy_fails", [False, True], ids=["after-its-copy", "after-a-failed-copy"])
+async def test_a_range_left_registered_keeps_its_shard_mapped(
+    fresh_moe: asyncslab.SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    copy_fails: bool,
+) -> None:
+    """Unmapped, a shard's addresses could go to a later mapping while CUDA still holds a
+    range of them registered: it would refuse to register them again, or take them for the
+    old pages. That shard stays mapped; the others are unmapped; a new load works. (A
+    checkpoint of its own: the mapping it leaves stays for the life of the process.)"""
+    ckpt = Checkpoint.open(fresh_moe.root)
+    p = plan(ckpt)
+    failing = UnregisterFails(fail_unregister_at=4)
+    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: failing)
+    if copy_fails:
+        real = _loader.CpuCopier.copy
+        calls = [0]
+
+        def copy(self: object, *args: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 4:
+                raise RuntimeError("CUDA error: injected")
+            real(self, *args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_loader.CpuCopier, "copy", copy)
+    before = mapped_shards(ckpt)
+    async with SlabSet(p) as slabs:
+        with pytest.raises(asyncslab.LoadError) as info:
+            await slabs.load(ckpt, options=MAPPED)
+        expected = "CUDA error: injected" if copy_fails else "cannot unregister .*injected"
+        assert re.search(expected, str(info.value))
+    (address,) = failing.stuck
+    left = [line for line in mapped_shards(ckpt) if line not in before]
+    assert len(left) == 1, left  # the one shard holding the range, and only it
+    start, end = (int(x, 16) for x in left[0].split(" ")[0].split("-"))
+    assert start <= address < end
+    monkeypatch.undo()
+    monkeypatch.setattr(_loader, "PopulateRegistry", RecordingRegistry)
+    async with SlabSet(p) as slabs:
+        await slabs.load(ckpt, options=MAPPED)
+        assert_bit_identical(slabs, ckpt)
+    assert [line for line in mapped_shards(ckpt) if line not in before] == left
 
 
 @pytest.mark.asyncio
