@@ -22,6 +22,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from types import FrameType
 from typing import Any, Literal, TypeVar
 
@@ -105,11 +106,37 @@ class LoadOptions:
     max_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
+        # Checked here, not deep in a load: a float count or size failed there as a bare
+        # TypeError naming no option, and a bool is an int that means nothing here.
+        for name in (
+            "io_workers", "read_size", "coalesce_gap", "staging_bytes", "staging_buffers",
+            "streams", "io_nice",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise TypeError(f"LoadOptions.{name} must be an int, got {value!r}")
+            object.__setattr__(self, name, int(value))  # a NumPy integer, say, as an int
         for name in ("io_workers", "read_size", "staging_bytes", "staging_buffers", "streams"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LoadOptions.{name} must be positive")
         if self.coalesce_gap < 0:
             raise ValueError("LoadOptions.coalesce_gap must be >= 0")
+        for name, optional in (
+            ("read_timeout", True), ("progress_interval", False), ("max_bytes_per_s", True)
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, Real):
+                kind = "a number or None" if optional else "a number"
+                raise TypeError(f"LoadOptions.{name} must be {kind}, got {value!r}")
+        if self.read_timeout is not None and not 0 < self.read_timeout <= math.inf:
+            # 0 often means "no timeout" elsewhere; here it failed every read, and the
+            # SlabSet with it (a read past read_timeout makes it unusable). None is "never".
+            raise ValueError(
+                f"LoadOptions.read_timeout must be positive seconds, or None for no timeout; "
+                f"got {self.read_timeout!r}"
+            )
         if self.staging_bytes < self.staging_buffers:
             raise ValueError(
                 f"LoadOptions.staging_bytes ({self.staging_bytes}) must give each of the "

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
@@ -169,7 +169,8 @@ class TieredMoE:
     shards in order (W13 = gate then up). ``schema`` gives each placed suffix its required
     dtype; ``markers`` are suffixes that are dtype-checked and never placed. The tier of an
     expert comes from ``tier_of(shape of its tier_suffix tensor)``, verified against
-    ``tier_map`` when one is declared. ``tier_suffix=None`` puts every expert in one group.
+    ``tier_map`` when one is declared (a mapping, or a JSON file's path, as
+    :func:`load_tier_map` reads). ``tier_suffix=None`` puts every expert in one group.
     With ``rank`` set, a rank-sliced checkpoint routes only that rank's slices. With
     ``owns`` set (expert parallelism), only experts for which ``owns(layer, expert)`` holds
     are planned; the others are skipped, never read, and the partition covers the owned ones.
@@ -191,12 +192,28 @@ class TieredMoE:
     tier_suffix: str | None = "trellis"
     tier_of: Callable[[tuple[int, ...]], int] = trellis_bits
     group_name: Callable[[int], str] = _k_name
-    tier_map: Mapping[int, Mapping[int, int]] | None = None
+    tier_map: Mapping[int, Mapping[int, int]] | str | Path | None = None
     rank: int | None = None
     n_experts: int | None = None
     unit_of: Callable[[int], str] = _layer_unit
     owns: Callable[[int, int], bool] | None = None
     layout: Literal["shard_major", "expert_major"] = "shard_major"
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("shard_major", "expert_major"):
+            # A typo ("expert-major") would otherwise plan the default layout, silently
+            # the wrong bytes for kernels that expect the other.
+            raise PlanError(
+                f"TieredMoE layout={self.layout!r}; expected 'shard_major' or 'expert_major'"
+            )
+        if self.tier_map is not None:
+            # A path, as plan(tier_map=...) takes; a mapping with JSON's string keys. Read
+            # as characters, a path declared layers '.', '/', 'a'...
+            object.__setattr__(self, "tier_map", load_tier_map(self.tier_map))
+
+    @property
+    def _tiers(self) -> Mapping[int, Mapping[int, int]] | None:
+        return cast("Mapping[int, Mapping[int, int]] | None", self.tier_map)  # see above
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -238,8 +255,8 @@ class TieredMoE:
                     prefix,
                 )
             )
-        if self.tier_map is not None:
-            extra_layers = sorted(set(self.tier_map) - set(by_layer))
+        if self._tiers is not None:
+            extra_layers = sorted(set(self._tiers) - set(by_layer))
             if extra_layers:
                 raise TierMapError(
                     f"tier map declares layers {_listing(extra_layers)}, which have no experts "
@@ -367,8 +384,8 @@ class TieredMoE:
                     expert=expert,
                 )
         bits_of = {e: next(iter(b)) for e, b in observed.items()}
-        if self.tier_map is not None:
-            declared = self.tier_map.get(layer)
+        if self._tiers is not None:
+            declared = self._tiers.get(layer)
             if declared is None:
                 raise TierMapError(f"tier map has no entry for MoE layer {layer}", layer=layer)
             if self.n_experts is not None and set(declared) != set(range(self.n_experts)):

@@ -128,9 +128,15 @@ class Tracker:
                     break
         return out
 
+    def _unknown(self, unit: str) -> KeyError:
+        # Unit names are the plan's ("layers.3", "globals"): show some, a guess rarely fits.
+        units = sorted(self._unit_total)
+        shown = ", ".join(map(repr, units[:6])) + (" ..." if len(units) > 6 else "")
+        return KeyError(f"unit {unit!r} is not in the plan; its {len(units)} units: {shown}")
+
     def check(self, unit: str) -> None:
         if unit not in self._unit_total:
-            raise KeyError(f"unit {unit!r} is not in the plan")
+            raise self._unknown(unit)
         if not self.is_complete(unit):
             landed = self._landed_routes[unit]
             total = self._unit_total[unit]
@@ -147,7 +153,7 @@ class Tracker:
     async def wait(self, unit: str) -> None:
         """Until ``unit`` completes; raises the load's error if the load broke first."""
         if unit not in self._unit_total:
-            raise KeyError(f"unit {unit!r} is not in the plan")
+            raise self._unknown(unit)
         if self.is_complete(unit):
             return
         if self._error is None:

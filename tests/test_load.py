@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import math
 import os
+import re
 import sys
 import threading
 import time
@@ -801,6 +803,60 @@ async def test_io_threads_run_niced_and_the_loop_does_not(
 async def test_io_nice_out_of_range_is_refused(io_nice: int) -> None:
     with pytest.raises(ValueError, match="io_nice"):
         LoadOptions(io_nice=io_nice)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"read_timeout": 0}, ValueError, "read_timeout must be positive seconds, or None"),
+        ({"read_timeout": -1.0}, ValueError, "read_timeout must be positive"),
+        ({"read_timeout": math.nan}, ValueError, "read_timeout must be positive"),
+        ({"read_timeout": "5"}, TypeError, "read_timeout must be a number or None, got '5'"),
+        ({"read_size": 1.5}, TypeError, "read_size must be an int, got 1.5"),
+        ({"io_workers": 2.5}, TypeError, "io_workers must be an int, got 2.5"),
+        ({"streams": True}, TypeError, "streams must be an int, got True"),
+        ({"coalesce_gap": None}, TypeError, "coalesce_gap must be an int, got None"),
+        ({"progress_interval": None}, TypeError, "progress_interval must be a number, got None"),
+        ({"max_bytes_per_s": "1e9"}, TypeError, "max_bytes_per_s must be a number or None"),
+    ],
+)
+async def test_load_options_refuse_wrong_values_naming_the_option(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """Refused when made, naming the option: a float count failed deep inside a load as a
+    bare TypeError, and read_timeout=0 (elsewhere often "no timeout") failed every read and
+    left the SlabSet unusable."""
+    with pytest.raises(error, match=re.escape(message)):
+        LoadOptions(**options)
+
+
+async def test_load_options_take_integers_of_any_kind_as_ints() -> None:
+    import numpy as np
+
+    options = LoadOptions(io_workers=np.int64(3), read_size=np.int32(4096), read_timeout=None)
+    assert (options.io_workers, options.read_size) == (3, 4096)
+    assert type(options.io_workers) is int
+    assert type(options.read_size) is int
+    assert LoadOptions(read_timeout=math.inf).read_timeout == math.inf
+
+
+async def test_an_unknown_unit_is_refused_showing_the_plans_units(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    async with SlabSet(p) as slabs:
+        task = slabs.start(ckpt)
+        # Waited for while loading, and once loaded: both name the units there are.
+        with pytest.raises(KeyError, match=r"unit 'layer\.1' is not in the plan; its \d+ units: "):
+            await slabs.ready("layer.1")
+        await task
+        with pytest.raises(KeyError) as info:
+            await slabs.ready("layer.1")
+    message = str(info.value)
+    assert f"its {len(p.units)} units: " in message
+    assert "'globals'" in message
+    assert "'layers.1'" in message
 
 
 async def test_failing_callback_stops_landing_without_orphan_callbacks(

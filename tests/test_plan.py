@@ -301,10 +301,23 @@ def test_declared_tier_map_gives_the_inferred_plan(
         plan(ck, tier_map=as_lists),
         plan(ck, tier_map=load_tier_map(list_file)),
     ]
+    # The same forms given to the rule itself, as plan() asks when the rules are one's own
+    # (a path was read as its characters: "declares layers ., /, _, a, ...").
+    for form in (gen.tier_map_path, str(gen.tier_map_path), as_json, list_file, as_lists):
+        declared.append(plan(ck, [TieredMoE(tier_map=form), Dense()]))
     for p in declared:
         assert p.fingerprint == gen_plan.fingerprint
         assert p.routes == gen_plan.routes
     assert load_tier_map(list_file) == load_tier_map(gen.tier_map_path) == as_ints
+    with pytest.raises(TierMapError, match="cannot read tier map"):
+        TieredMoE(tier_map=tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("layout", ["expert-major", "bogus", ""])
+def test_tiered_moe_refuses_an_unknown_layout(layout: str) -> None:
+    # A typo planned the default layout: silently the wrong bytes for expert-major kernels.
+    with pytest.raises(PlanError, match=f"layout={layout!r}; expected 'shard_major' or"):
+        TieredMoE(layout=layout)  # type: ignore[arg-type]
 
 
 def test_tier_map_list_form(tmp_path: Path) -> None:
