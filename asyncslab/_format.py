@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 import torch
 
 from ._errors import (
+    CheckpointError,
     DuplicateKeyError,
     DuplicateTensorError,
     FileTooShortError,
@@ -704,9 +705,17 @@ class Checkpoint:
                 paths = [_check_inside(root, p.name, None) for p in found]
                 if not paths:
                     raise MissingFileError("no *.safetensors files and no index", file=root)
-        elif path.name.endswith(".json") and path.is_file():
+        elif path.name.endswith(".safetensors.index.json") and path.is_file():
             raise IndexFileError(
                 f"{path} is an index: open the checkpoint directory that holds it", file=path
+            )
+        elif path.name.endswith(".json") and path.is_file():
+            # A tier map or config passed by mistake: read as a shard, its first bytes made
+            # an absurd header length.
+            raise CheckpointError(
+                f"{path} is a JSON file, not a safetensors file: open a .safetensors file or "
+                "the checkpoint directory",
+                file=path,
             )
         else:
             root = path.parent

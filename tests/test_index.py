@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from asyncslab import (
     Checkpoint,
+    CheckpointError,
     DuplicateTensorError,
     HeaderError,
     IndexFileError,
@@ -503,3 +504,10 @@ def test_opening_the_index_file_says_to_open_its_directory(two_shards: Path) -> 
     with pytest.raises(IndexFileError, match="is an index: open the checkpoint directory"):
         Checkpoint.open(idx)
     assert sorted(Checkpoint.open(two_shards).tensors) == ["x", "y", "z"]
+    # Another JSON file (a tier map, a config) is no index: it said it was one.
+    tiers = two_shards / "tier_map.json"
+    tiers.write_text('{"1": [3, 4]}')
+    with pytest.raises(CheckpointError, match="is a JSON file, not a safetensors file") as info:
+        Checkpoint.open(tiers)
+    assert not isinstance(info.value, IndexFileError)
+    assert info.value.file == str(tiers)
