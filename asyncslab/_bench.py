@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ._bench_worker import PEERS, RESULT_MARK, lag_summary
-from ._cli import parse_size
+from ._cli import size_arg
 
 __all__ = [
     "ManySmall",
@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = LoadOptions()
     parser.add_argument(
         "--size",
-        type=parse_size,
+        type=size_arg,
         default=GiB,
         metavar="SIZE",
         help="size of the generated checkpoint, e.g. 3GiB (default 1GiB)",

@@ -18,8 +18,10 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -37,9 +39,15 @@ from ._format import Checkpoint
 from ._loader import LoadOptions, LoadStatistics, SlabSet, load
 from ._plan import Plan, plan
 from ._progress import ProgressBar, format_bytes, format_duration, format_table
-from ._synthetic import SyntheticCheckpoint, SyntheticSpec, spec_for_size, write_synthetic
+from ._synthetic import (
+    SyntheticCheckpoint,
+    SyntheticSpec,
+    expected_tensors,
+    spec_for_size,
+    write_synthetic,
+)
 
-__all__ = ["main", "parse_size", "verify_slabs", "VerifyResult"]
+__all__ = ["main", "parse_size", "size_arg", "verify_slabs", "VerifyResult"]
 
 PROG = "asyncslab"
 _T = TypeVar("_T")
@@ -82,7 +90,9 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _size_arg(text: str) -> int:
+def size_arg(text: str) -> int:
+    """:func:`parse_size` as an argparse ``type``: every ``--size`` (``bench``'s too) uses
+    this one, so that their messages cannot drift apart."""
     try:
         return parse_size(text)
     except ValueError as err:
@@ -179,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--size",
-        type=_size_arg,
+        type=size_arg,
         default=parse_size("64MiB"),
         metavar="SIZE",
         help="checkpoint size, like 64MiB, 1GiB, 3GB or 500M (default: 64MiB)",
@@ -234,21 +244,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=_mib_arg,
         default=defaults.staging_bytes,
         metavar="MB",
-        help=f"pinned staging budget in MiB, CUDA only (default {defaults.staging_bytes >> 20})",
+        help=f"staging budget in MiB of the staged transfer, on cpu as on cuda (pinned "
+        f"there); mapped reads are cut at 1/{defaults.staging_buffers} of it (default "
+        f"{defaults.staging_bytes >> 20})",
     )
     load_p.add_argument(
         "--io-workers",
         type=_positive_int,
         default=defaults.io_workers,
         metavar="N",
-        help=f"reads in flight, CPU target (default {defaults.io_workers})",
+        help=f"reads in flight of the direct transfer (default {defaults.io_workers})",
     )
     load_p.add_argument(
         "--read-mb",
         type=_mib_arg,
         default=defaults.read_size,
         metavar="MB",
-        help=f"target size of one read in MiB, CPU target (default {defaults.read_size >> 20})",
+        help=f"target size of one read in MiB, direct transfer (default "
+        f"{defaults.read_size >> 20})",
     )
     _add_plan_arguments(load_p)
     load_p.add_argument(
@@ -257,7 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="re-read every routed tensor with safetensors and compare bytes",
     )
     load_p.add_argument(
-        "--json", type=Path, default=None, metavar="FILE", help="write statistics as JSON"
+        "--json",
+        default=None,
+        metavar="FILE",
+        help="write statistics as JSON to FILE; '-' prints them on stdout instead of the "
+        "table, as 'inspect --json' does (./- names a file called -)",
     )
     load_p.add_argument("--no-progress", action="store_true", help="no progress bar")
     load_p.set_defaults(handler=_cmd_load)
@@ -414,13 +431,20 @@ def _open_and_plan(
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if path.is_file() and path.name.endswith(".json"):
-        raise UsageError(f"{path} is an index: pass the checkpoint directory that holds it")
+        # Said in the command line's words ("pass"), before opening: a tier map passed as
+        # the checkpoint is no index, and "pass the directory" would send one astray.
+        if path.name.endswith(_INDEX_SUFFIX):
+            raise UsageError(f"{path} is an index: pass the checkpoint directory that holds it")
+        raise UsageError(f"{path} is a JSON file, not a safetensors checkpoint or index")
     if isinstance(tier_map, Path) and tier_map.is_dir():
         raise UsageError(f"{tier_map} is a directory, not a tier map file")
     if isinstance(tier_map, Path) and not tier_map.is_file():
         raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
     checkpoint = Checkpoint.open(path)
     return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
+
+
+_INDEX_SUFFIX = ".safetensors.index.json"
 
 
 def _natural(name: str) -> tuple[Any, ...]:
@@ -715,7 +739,7 @@ def _run_load(
             bar.finish()
 
 
-def _result_rows(loaded: _Loaded, p: Plan) -> list[list[Any]]:
+def _result_rows(loaded: _Loaded, p: Plan, *, verify_row: bool = True) -> list[list[Any]]:
     stats, verify, rss = loaded.stats, loaded.verify, loaded.peak_rss
     needed = stats.bytes_needed
     share = f" ({stats.bytes_read / needed * 100:.1f}%)" if needed else ""
@@ -738,7 +762,7 @@ def _result_rows(loaded: _Loaded, p: Plan) -> list[list[Any]]:
         ["peak RSS", format_bytes(rss) if rss is not None else "unknown"],
         ["read/needed", f"{format_bytes(stats.bytes_read)} / {format_bytes(needed)}{share}"],
     ]
-    if verify is not None:
+    if verify is not None and verify_row:
         status = "OK" if verify.ok else "FAILED"
         rows.append(["verify", f"{status}: {verify.describe()} ({verify.seconds:.2f}s)"])
     return rows
@@ -794,11 +818,27 @@ def _describe_spec(spec: SyntheticSpec) -> str:
     )
 
 
+def _spec_bytes(spec: SyntheticSpec) -> int:
+    """The payload ``write_synthetic(spec)`` will write, from its layout alone."""
+    return sum(
+        math.prod(shape) * dtype.itemsize for dtype, shape in expected_tensors(spec).values()
+    )
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
-    size: int = args.size
-    spec = spec_for_size(size)
+    asked: int = args.size
+    spec = spec_for_size(asked)
+    # The smallest model the demo writes is ~2 MiB, whatever was asked: announcing the
+    # request would promise less than the disk is about to get.
+    size = _spec_bytes(spec)
+    raised = (
+        f" (--size {format_bytes(asked)} is below the smallest the demo writes)"
+        if size > asked * 1.1
+        else ""
+    )
     _out(
-        f"asyncslab demo: a synthetic EXL3-like mixed-tier MoE checkpoint of ~{format_bytes(size)}"
+        "asyncslab demo: a synthetic EXL3-like mixed-tier MoE checkpoint of "
+        f"{format_bytes(size)}{raised}"
     )
     _out(f"model: {_describe_spec(spec)}")
     with _demo_directory(args.dir, args.keep) as (root, kept):
@@ -843,16 +883,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         assert verify is not None
         _out()
         _out("result:")
-        _out(format_table(_result_rows(loaded, p), align="ll", indent="  "))
+        # The verdict is the last line below, not a row here too.
+        _out(format_table(_result_rows(loaded, p, verify_row=False), align="ll", indent="  "))
         _out()
         if kept:
-            _out(f"kept {root}; load it again with: asyncslab load {root} --verify")
+            # With the tier map, or the suggested load would check less than the demo did.
+            command = ["asyncslab", "load", str(root), "--verify"]
+            again = shlex.join([*command, "--tier-map", str(written.tier_map_path)])
+            _out(f"kept {root}; load it again with: {again}")
         else:
             _out(f"removed {root}")
     if not verify.ok:
         _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
         return 1
-    _out(f"OK: {verify.describe()}")
+    _out(f"OK: {verify.describe()} (verified in {verify.seconds:.2f}s)")
     return 0
 
 
@@ -889,7 +933,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_load(args: argparse.Namespace) -> int:
     path: Path = args.path
-    json_path: Path | None = args.json
+    # `--json -`: the report goes to stdout in place of the table, so that stdout stays one
+    # JSON document (as with `inspect --json`); the bar and the errors are on stderr anyway.
+    # The raw text is compared, since Path("./-") is Path("-").
+    to_stdout = args.json == "-"
+    json_path: Path | None = None if args.json is None or to_stdout else Path(args.json)
     if json_path is not None:
         _check_json_path(json_path)
     options = LoadOptions(
@@ -916,10 +964,12 @@ def _cmd_load(args: argparse.Namespace) -> int:
             seen=seen,
         )
     except BaseException as err:
-        if json_path is not None and (p is not None or _holds_json_or_nothing(json_path)):
+        replace = json_path is not None and (p is not None or _holds_json_or_nothing(json_path))
+        if replace or to_stdout:
             # A script reading the file after a non-zero exit must not find an earlier
             # run's "complete" there: this run's outcome, with what it had loaded. (Before
-            # a plan, the checkpoint's files are unknown: only a report is replaced.)
+            # a plan, the checkpoint's files are unknown: only a report is replaced.) One
+            # reading stdout gets a document to parse whatever went wrong.
             state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
             with contextlib.suppress(OSError):
                 _write_json(json_path, _load_report(path, p, options, seen, state, err))
@@ -928,11 +978,13 @@ def _cmd_load(args: argparse.Namespace) -> int:
     # The JSON and the verdict first: a reader of stdout that left early loses neither.
     if verify is not None and not verify.ok:
         _stderr_line(f"{PROG}: verify failed: {verify.describe()}")
-    if json_path is not None:
-        _write_json(json_path, _load_report(path, p, options, [loaded.stats], None, None, loaded))
     try:
-        _out(f"loaded {path}:")
-        _out(format_table(_result_rows(loaded, p), align="ll", indent="  "))
+        if json_path is not None or to_stdout:
+            report = _load_report(path, p, options, [loaded.stats], None, None, loaded)
+            _write_json(json_path, report)
+        if not to_stdout:
+            _out(f"loaded {path}:")
+            _out(format_table(_result_rows(loaded, p), align="ll", indent="  "))
     except BrokenPipeError:
         if verify is not None and not verify.ok:
             return 1  # the verdict outranks the reader that left
@@ -988,8 +1040,13 @@ def _holds_json_or_nothing(path: Path) -> bool:
         return False
 
 
-def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n", encoding="utf-8")
+def _write_json(path: Path | None, doc: dict[str, Any]) -> None:
+    """To ``path``, or to stdout when it is ``None`` (``--json -``)."""
+    text = json.dumps(_jsonable(doc), indent=2)
+    if path is None:
+        _out(text)
+    else:
+        path.write_text(text + "\n", encoding="utf-8")
 
 
 def _check_json_path(path: Path) -> None:

@@ -126,6 +126,27 @@ def test_refuses_sizes_that_do_not_fit(
     assert "not enough disk space" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("size", ["0", "0.1", "12XB"])
+def test_bench_size_errors_read_as_the_demo_s(
+    capsys: pytest.CaptureFixture[str], size: str
+) -> None:
+    # `bench --size 0` said "invalid parse_size value: '0'"; the demo said why.
+    from asyncslab._cli import main
+
+    lines: dict[str, str] = {}
+    for command in ("bench", "demo"):
+        assert main([command, "--size", size]) == 2
+        out, err = capsys.readouterr()
+        assert out == ""
+        lines[command] = err
+    assert lines["bench"] == lines["demo"].replace("asyncslab demo", "asyncslab bench")
+    assert lines["bench"].startswith(f"asyncslab: error: argument --size: invalid size {size!r}: ")
+    assert lines["bench"].endswith(" (see 'asyncslab bench --help')\n")
+    assert lines["bench"].count("\n") == 1
+    if size == "0":
+        assert "must be at least one byte" in lines["bench"]
+
+
 def test_many_small_builder_opens_everywhere(tmp_path: Path) -> None:
     fixture = write_many_small(tmp_path, 2000)
     ckpt = asyncslab.Checkpoint.open(fixture.path)

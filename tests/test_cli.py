@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -105,10 +107,13 @@ def test_demo_small_prints_tiers_result_and_verifies(
     assert "result:" in out
     for row in ("files", "tensors", "bytes", "seconds", "GB/s", "peak RSS", "read/needed"):
         assert f"\n  {row} " in out, row
-    verify = next(line for line in out.splitlines() if line.strip().startswith("verify"))
-    assert "OK: all" in verify
-    assert "match safetensors byte for byte" in verify
-    assert out.rstrip().splitlines()[-1].startswith("OK: all")
+    # The verdict once, as the last line (it was a row of the table too).
+    verdicts = [line for line in out.splitlines() if "OK: all" in line]
+    assert verdicts == [out.rstrip().splitlines()[-1]]
+    assert re.fullmatch(
+        r"OK: all \d+ routed tensors match safetensors byte for byte \(verified in [\d.]+s\)",
+        verdicts[0],
+    )
     # Not a terminal: the progress bar prints its final line only (the load is fast).
     assert err.count("\n") == 1
     assert err.startswith("complete")
@@ -128,6 +133,40 @@ def test_demo_dir_keeps_checkpoint_and_can_rerun(
     assert f"kept {target}" in out
     assert (target / "tier_map.json").is_file()
     assert asyncslab.Checkpoint.open(target).total_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("size", "note"),
+    [("1KiB", " (--size 1.0 KiB is below the smallest the demo writes)"), ("3MiB", "")],
+)
+def test_demo_announces_the_size_it_writes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, size: str, note: str
+) -> None:
+    # `--size 1KiB` announced "~1.0 KiB" and wrote 2.2 MiB (the smallest model there is).
+    target = tmp_path / "demo"
+    assert main(["demo", "--size", size, "--dir", str(target), "--no-progress"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    written = format_bytes(asyncslab.Checkpoint.open(target).total_bytes)
+    assert first == (
+        f"asyncslab demo: a synthetic EXL3-like mixed-tier MoE checkpoint of {written}{note}"
+    )
+
+
+def test_demo_kept_suggests_a_load_that_checks_the_tier_map_too(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The suggestion was `asyncslab load DIR --verify`: the demo's tier map check was lost.
+    target = tmp_path / "a demo"  # a space: the suggestion must survive a copy and paste
+    assert main(["demo", "--size", "2MiB", "--dir", str(target), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    quoted = shlex.quote(str(target))
+    tier_map = shlex.quote(str(target / "tier_map.json"))
+    suggested = f"asyncslab load {quoted} --verify --tier-map {tier_map}"
+    assert f"kept {target}; load it again with: {suggested}" in out.splitlines()
+    argv = shlex.split(suggested)
+    assert argv[0] == "asyncslab"
+    assert main([*argv[1:], "--no-progress"]) == 0
+    assert "OK: all" in capsys.readouterr().out
 
 
 def test_demo_refuses_directory_with_another_checkpoint(
@@ -672,6 +711,20 @@ def test_load_writes_json_and_its_verdict_before_the_table(
     assert json.loads(report.read_text())["verify"]["ok"] is True
 
 
+@pytest.mark.parametrize("command", ["inspect", "load"])
+def test_a_json_file_that_is_no_index_is_not_called_one(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, command: str
+) -> None:
+    # `asyncslab load ck/tier_map.json` said "is an index: pass the checkpoint directory".
+    path = checkpoint.tier_map_path
+    assert main([command, str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"asyncslab: error: {path} is a JSON file, not a safetensors checkpoint or index\n"
+    )
+
+
 @pytest.mark.parametrize("what", ["tier map directory", "index as the path"])
 def test_misleading_paths_get_a_message_that_says_what_they_are(
     capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path, what: str
@@ -682,7 +735,7 @@ def test_misleading_paths_get_a_message_that_says_what_they_are(
     else:
         assert checkpoint.index is not None
         argv = ["load", str(checkpoint.index)]
-        fragment = "pass the checkpoint directory"
+        fragment = f"{checkpoint.index} is an index: pass the checkpoint directory that holds it"
     assert main(argv) == 2
     assert_one_error_line(capsys.readouterr().err, fragment)
 
@@ -696,6 +749,52 @@ def test_demo_on_cuda_without_cuda_fails_before_writing(
     assert main(["demo", "--device", "cuda", "--dir", str(target)]) == 2
     assert_one_error_line(capsys.readouterr().err, "CUDA is not available")
     assert list(target.iterdir()) == []
+
+
+def test_load_json_dash_is_stdout_and_replaces_the_table(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    # `--json -` wrote a file named "-" and printed the table on stdout.
+    monkeypatch.chdir(tmp_path)
+    assert main(["load", str(checkpoint.root), "--no-progress", "--verify", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    doc = json.loads(out)  # all of stdout: one document, no table
+    assert doc["state"] == "complete"
+    assert doc["verify"]["ok"] is True
+    assert doc["checkpoint"] == str(checkpoint.root)
+    assert list(tmp_path.iterdir()) == []
+    # A failure still leaves one document there, and its one line on stderr.
+    missing = tmp_path / "missing"
+    assert main(["load", str(missing), "--json", "-"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["state"] == "failed"
+    assert err == f"asyncslab: error: {missing}: no such file or directory\n"
+    # A file named "-" is still one path away.
+    assert main(["load", str(checkpoint.root), "--no-progress", "--json", "./-"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"loaded {checkpoint.root}:\n")
+    assert json.loads((tmp_path / "-").read_text())["state"] == "complete"
+
+
+def test_staging_mb_applies_to_a_staged_load_on_cpu_and_its_help_says_so(
+    capsys: pytest.CaptureFixture[str],
+    checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The help said "CUDA only".
+    argv = ["load", str(checkpoint.root), "--no-progress", "--transfer", "staged"]
+    assert main([*argv, "--staging-mb", "8"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert any(re.fullmatch(r"  peak staging +\S+ \S+ of 8\.0 MiB", row) for row in rows), rows
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option
+    assert main(["load", "--help"]) == 0
+    (line,) = [row for row in capsys.readouterr().out.splitlines() if "--staging-mb MB " in row]
+    assert "CUDA only" not in line
+    assert "staging budget in MiB of the staged transfer, on cpu as on cuda" in line
 
 
 @pytest.mark.parametrize("fails", ["in a read", "by Ctrl-C"])
