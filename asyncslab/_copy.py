@@ -66,6 +66,8 @@ STAGED_SYSCALL_BYTES = 1 << 30
 
 def read_staged(fd: int, op: ReadOp, buffer: torch.Tensor, path: str) -> int:
     """Read ``op`` whole into the front of a (pinned) staging buffer."""
+    if op.nbytes > buffer.numel():  # the read writes through a raw pointer: never past it
+        raise ValueError(f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer")
     target = scatter([(buffer.data_ptr(), op.nbytes)], limit=STAGED_SYSCALL_BYTES)
     return pread_scatter(fd, target, op.offset, path=path)
 

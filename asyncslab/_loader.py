@@ -653,9 +653,16 @@ class SlabSet:
         cuda = self.device.type == "cuda"
         transfer = _transfer(options.transfer, self.device)
         direct = transfer == "direct"
-        read_size = (
-            options.read_size if direct else options.staging_bytes // options.staging_buffers
-        )
+        # A staged read fills one staging buffer: no larger than the buffer as allocated
+        # (pinned ones are rounded down, see _staging_budget); a mapped read's window is
+        # the buffer size asked, as no buffer is made.
+        budget = _staging_budget(options.staging_bytes, options.staging_buffers, cuda)
+        if direct:
+            read_size = options.read_size
+        elif transfer == "staged":
+            read_size = budget // options.staging_buffers
+        else:
+            read_size = options.staging_bytes // options.staging_buffers
         workers = options.io_workers if direct else options.staging_buffers
         # One thread per read in flight: a cold cache needs the reads in flight (two on two
         # cores left storage idle), and niced threads with short syscalls (see _read) leave
@@ -696,7 +703,6 @@ class SlabSet:
             else:
                 # Pinning blocks for long: each I/O thread pins its own buffer when it first
                 # reads (see _staging).
-                budget = _staging_budget(options.staging_bytes, options.staging_buffers, cuda)
                 staging = StagingBuffers(
                     budget, options.staging_buffers, lambda size: _staging_buffer(size, cuda)
                 )

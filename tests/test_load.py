@@ -545,6 +545,46 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
     assert 0 < stats.staging_peak <= options.staging_bytes
 
 
+async def test_staged_reads_fit_buffers_rounded_down_as_pinned_ones_are(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pinned staging buffers are a power of two each, rounded down (see _staging_budget):
+    the reads must be cut to the buffer as made, not to the size asked, or they would run
+    past its end. On the CPU, with the rounding a CUDA target gets."""
+    from asyncslab import _loader
+
+    real = _loader._staging_budget
+    monkeypatch.setattr(
+        _loader, "_staging_budget", lambda budget, buffers, pinned: real(budget, buffers, True)
+    )
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    options = LoadOptions(transfer="staged", staging_bytes=3 * (48 << 10), staging_buffers=3)
+    slabs = await load(ckpt, p, options=options)
+    assert_bit_identical(slabs, ckpt)
+    stats = slabs.statistics()
+    assert stats.staging_budget == 3 * (32 << 10)
+    assert 0 < stats.staging_peak <= stats.staging_budget
+    await slabs.aclose()
+
+
+async def test_a_staged_read_never_writes_past_its_buffer(tmp_path: Path) -> None:
+    from asyncslab._copy import read_staged
+    from asyncslab._schedule import ReadOp
+
+    path = tmp_path / "bytes"
+    path.write_bytes(bytes(range(256)) * 4)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = torch.zeros(64, dtype=torch.uint8)
+        op = ReadOp(file=0, offset=0, nbytes=65, pieces=())
+        with pytest.raises(ValueError, match="a read of 65 bytes into a 64-byte buffer"):
+            read_staged(fd, op, buffer, str(path))
+        assert int(buffer.count_nonzero()) == 0
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("copy_all", ["torch", "per piece"])
 async def test_staged_reads_take_one_syscall_and_one_copy_call_each(
     moe_checkpoint: asyncslab.SyntheticCheckpoint,
