@@ -969,7 +969,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
             # A script reading the file after a non-zero exit must not find an earlier
             # run's "complete" there: this run's outcome, with what it had loaded. (Before
             # a plan, the checkpoint's files are unknown: only a report is replaced.) One
-            # reading stdout gets a document to parse whatever went wrong.
+            # reading stdout gets a document to parse whatever went wrong once the command
+            # began; a usage error (exit 2) writes none, as argparse's own don't.
             state = "cancelled" if isinstance(err, KeyboardInterrupt) else "failed"
             with contextlib.suppress(OSError):
                 _write_json(json_path, _load_report(path, p, options, seen, state, err))

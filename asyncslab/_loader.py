@@ -146,7 +146,7 @@ class LoadOptions:
             raise ValueError("LoadOptions.io_nice must be in 0..19 (raising priority needs root)")
         if not 0 <= self.progress_interval < math.inf:  # NaN included
             raise ValueError("LoadOptions.progress_interval must be a finite number >= 0")
-        if self.max_bytes_per_s is not None and self.max_bytes_per_s <= 0:
+        if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:  # NaN too
             raise ValueError("LoadOptions.max_bytes_per_s must be positive")
         if self.transfer not in _TRANSFERS:
             raise ValueError(

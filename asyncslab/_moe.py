@@ -15,6 +15,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, cast
@@ -200,6 +201,13 @@ class TieredMoE:
     layout: Literal["shard_major", "expert_major"] = "shard_major"
 
     def __post_init__(self) -> None:
+        listed = [p for projs in self.fusion.values() for p in projs]
+        if len(set(listed)) != len(listed):
+            twice = sorted({p for p in listed if listed.count(p) > 1})
+            raise PlanError(
+                f"TieredMoE fusion lists projections {twice} more than once; each "
+                f"projection goes to one place (fusion={dict(self.fusion)})"
+            )
         if self.layout not in ("shard_major", "expert_major"):
             # A typo ("expert-major") would otherwise plan the default layout, silently
             # the wrong bytes for kernels that expect the other.
@@ -575,9 +583,10 @@ def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int,
                 raise TypeError(f"layer {layer}: expected an object or a list")
             entry: dict[int, int] = {}
             for expert, bits in pairs:
-                if type(bits) is not int or bits <= 0:
+                # Any integer (a NumPy one too), not a bool or a float.
+                if isinstance(bits, bool) or not isinstance(bits, Integral) or bits <= 0:
                     raise TypeError(f"layer {layer} expert {expert}: bits must be a positive int")
-                entry[int(expert)] = bits
+                entry[int(expert)] = int(bits)
             result[int(layer)] = entry
     except (TypeError, ValueError) as err:
         raise TierMapError(f"malformed tier map: {err}", file=where) from None

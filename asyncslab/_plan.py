@@ -90,12 +90,14 @@ class SlabSpec:
 
 
 def _linear(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
-    """The row-major index of ``slot`` among ``dims``, or -1 if it lies outside them."""
+    """The row-major index of ``slot`` among ``dims``, or -1 if it lies outside them (or
+    is no slot: an index ``1.5`` passes ``0 <= 1.5 < 2`` and made an offset between
+    slots, or past the slab)."""
     if len(slot) != len(dims):
         return -1
     linear = 0  # and 0 for a slab of one tensor (most of a dense checkpoint's)
     for index, extent in zip(slot, dims, strict=True):
-        if not 0 <= index < extent:
+        if type(index) is not int or not 0 <= index < extent:
             return -1
         linear = linear * extent + index
     return linear
@@ -489,6 +491,9 @@ def _valid_columns(
     # Each route's byte offset is its slot's, and its slot inside its slab; in slabs of one
     # slot each (a dense checkpoint's), that is slot () at byte 0.
     slots = list(map(_SLOT, routes))
+    # Only ints index a slot (and 1.0, True are equal to 1 as keys of the table below).
+    if not set(map(type, itertools.chain.from_iterable(slots))) <= {int}:
+        return False
     offsets = list(map(_DST_OFFSET, routes))
     slab_dims = list(map(_SLOT_DIMS, specs))
     if slab_dims.count(()) == len(specs) and slots.count(()) == len(slots):
@@ -562,9 +567,10 @@ def _validate(
         try:
             start = spec.slot_offset(route.slot)
         except PlanError:
+            not_ints = any(type(i) is not int for i in route.slot)
             raise CoverageError(
                 f"lands in slot {route.slot}, outside slab {route.slab!r} of slots "
-                f"{spec.slot_dims}",
+                f"{spec.slot_dims}{' (a slot is a tuple of ints)' if not_ints else ''}",
                 file=info.file,
                 tensor=info.name,
                 slab=route.slab,

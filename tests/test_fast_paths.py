@@ -602,3 +602,10 @@ def test_a_route_that_would_write_outside_its_slot_is_refused(tmp_path: Path) ->
         CoverageError, match=r"lands in slot \(5,\), outside slab 'w' of slots \(2,\)"
     ):
         plan(ck, [Shifted((5,), 80)])
+    # Only ints index a slot: 0.5 passed 0 <= 0.5 < 2 and made offset 8, half-way into
+    # slot 0 (slot 1 left empty, yet the plan complete); True and 1.0 equal 1 as keys.
+    import numpy as np
+
+    for slot, offset in (((0.5,), 8), ((1.0,), 16), ((True,), 16), ((np.int64(1),), 16)):
+        with pytest.raises(CoverageError, match=r"outside slab 'w' .*a slot is a tuple of ints"):
+            plan(ck, [Shifted(slot, offset)])  # type: ignore[arg-type]

@@ -858,6 +858,7 @@ async def test_io_nice_out_of_range_is_refused(io_nice: int) -> None:
         ({"coalesce_gap": None}, TypeError, "coalesce_gap must be an int, got None"),
         ({"progress_interval": None}, TypeError, "progress_interval must be a number, got None"),
         ({"max_bytes_per_s": "1e9"}, TypeError, "max_bytes_per_s must be a number or None"),
+        ({"max_bytes_per_s": math.nan}, ValueError, "max_bytes_per_s must be positive"),
     ],
 )
 async def test_load_options_refuse_wrong_values_naming_the_option(

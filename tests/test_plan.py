@@ -313,6 +313,35 @@ def test_declared_tier_map_gives_the_inferred_plan(
         TieredMoE(tier_map=tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    "fusion",
+    [
+        {"w13": ("gate_proj", "up_proj"), "w1": ("gate_proj",), "w2": ("down_proj",)},
+        {"w13": ("gate_proj", "gate_proj", "up_proj"), "w2": ("down_proj",)},
+    ],
+)
+def test_tiered_moe_refuses_a_projection_fused_twice(fusion: dict[str, tuple[str, ...]]) -> None:
+    # It ended in a bare ValueError (max() of an empty sequence), or in a coverage error
+    # whose missing slots depended on which listing won.
+    with pytest.raises(PlanError, match=r"lists projections \['gate_proj'\] more than once"):
+        TieredMoE(fusion=fusion)
+
+
+def test_a_tier_map_takes_integers_of_any_kind(gen: SyntheticCheckpoint, gen_plan: Plan) -> None:
+    import numpy as np
+
+    ck = Checkpoint.open(gen.root)
+    as_numpy = {
+        np.int64(layer): {np.int32(e): np.int64(b) for e, b in tiers.items()}
+        for layer, tiers in gen.tier_map.items()
+    }
+    assert plan(ck, [TieredMoE(tier_map=as_numpy), Dense()]).routes == gen_plan.routes
+    assert plan(ck, tier_map=as_numpy).routes == gen_plan.routes
+    for bits in (4.0, True, 0):
+        with pytest.raises(TierMapError, match="bits must be a positive int"):
+            TieredMoE(tier_map={1: {0: bits}})
+
+
 @pytest.mark.parametrize("layout", ["expert-major", "bogus", ""])
 def test_tiered_moe_refuses_an_unknown_layout(layout: str) -> None:
     # A typo planned the default layout: silently the wrong bytes for expert-major kernels.
