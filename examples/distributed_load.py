@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet, distributed
-from asyncslab._synthetic import spec_for_size
+from asyncslab import Checkpoint, LoadOptions, SlabSet, distributed, spec_for_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

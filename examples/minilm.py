@@ -111,9 +111,7 @@ def embeddings(root: Path, slabs: SlabSet) -> None:
     leftovers = [n for n, b in model.named_buffers() if b.is_meta]
     # BertModel's names are the checkpoint's: each parameter must BE its tensor's slot.
     params = dict(model.named_parameters())
-    same = sum(
-        t.data_ptr() == slabs.view(n).data_ptr() for n, t in params.items()
-    )
+    same = sum(t.data_ptr() == slabs.view(n).data_ptr() for n, t in params.items())
     print(
         f"bound: {len(views)} parameters and buffers of BertModel (built on meta) to slab "
         f"views; {same}/{len(params)} parameters pointer-identical to their slots (no copy); "

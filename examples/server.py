@@ -2,15 +2,20 @@
 
     python examples/server.py [--checkpoint PATH] [--size 256MiB] [--host 127.0.0.1]
                               [--port 8000] [--max-mb-per-s R] [--loop uvloop|asyncio]
+                              [--layer L] [--device cpu|cuda[:N]] [--keep]
+                              [--log-level info]
 
-Starlette under uvicorn (uvloop by default), as inference servers run. At startup the
-lifespan plans the checkpoint (headers only) and starts ``SlabSet(plan).start(...)`` as a
-background task on the server's own event loop, then the server accepts requests while the
-bytes land:
+Starlette under uvicorn (uvloop by default), as inference servers run. Before the server
+starts, the checkpoint is opened and planned (headers only); a checkpoint that cannot be, a
+``--layer`` that is not an MoE layer, or a ``--device`` that is not there ends the script
+with exit code 2 and one line on stderr. At startup the lifespan then allocates the slabs
+and starts ``SlabSet(plan).start(...)`` as a background task on the server's own event
+loop, and the server accepts requests while the bytes land:
 
 * ``GET /health``  -- 503 with progress ``{state, bytes_done, bytes_total, units_complete,
   units_total, gbps, eta_s, ...}`` while loading, 200 once ready, 500 with ``error`` if the
-  load failed. Never waits for the load.
+  load failed (a read error, a file changed since it was planned, slabs that cannot be
+  allocated). Never waits for the load.
 * ``GET|POST /forward?tokens=8&seed=0`` -- one forward pass of one MoE layer's block
   (``examples/moe_block.py``), whose expert weights are zero-copy views of the slabs; it is
   bound from ``on_unit_ready`` as soon as its layer's unit lands. Returns the output's shape,
@@ -20,7 +25,7 @@ Without ``--checkpoint`` it generates a synthetic EXL3-like mixed-tier MoE check
 ``--size`` into a temporary directory (removed at exit unless ``--keep``). Ctrl-C / SIGTERM
 during the load cancels it cleanly: the lifespan shutdown awaits ``slabs.aclose()``, which
 waits for reads still inside I/O threads, closes every file and frees the slabs; the process
-then exits 0.
+then exits 0. Without ``starlette`` or ``uvicorn`` installed the script says so and exits 0.
 
 ``--max-mb-per-s R`` paces the load (``LoadOptions.max_bytes_per_s``) and reads 64 KiB at
 a time: it leaves storage bandwidth to neighbours, and makes a small checkpoint load slowly
@@ -45,15 +50,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import uvicorn
 from moe_block import TieredMoEBlock, checksum, make_input
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan, spec_for_size, write_synthetic
-from asyncslab._cli import parse_size
+
+try:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response
+    from starlette.routing import Route
+except ModuleNotFoundError as err:  # main() says so and exits 0, as the other examples do
+    MISSING: str | None = err.name or "starlette"
+else:
+    MISSING = None
+
+INSTALL = 'pip install "starlette>=0.37" "uvicorn>=0.29"'
 
 MAX_TOKENS = 4096
 PACED_READ_SIZE = 64 << 10
@@ -72,20 +84,24 @@ class Service:
 
     def __init__(
         self,
-        checkpoint: Path,
+        path: Path,
+        checkpoint: Checkpoint,
+        p: Plan,
         *,
-        layer: int | None,
+        layer: int,
         device: str,
         options: LoadOptions,
     ) -> None:
-        self.path = checkpoint
-        self.requested_layer = layer
+        self.path = path
+        self.checkpoint = checkpoint
+        self.plan = p
+        self.layer = layer
         self.device = device
         self.options = options
         self.slabs: SlabSet | None = None
         self.block: TieredMoEBlock | None = None
         self.task: asyncio.Task[SlabSet] | None = None
-        self.error: str | None = None  # a failure before the load could start
+        self.error: str | None = None  # a failure before the load could start (allocation)
 
     # --- lifespan ----------------------------------------------------------------------
 
@@ -93,15 +109,15 @@ class Service:
         loop = asyncio.get_running_loop()
         log(f"event loop: {type(loop).__module__}.{type(loop).__qualname__}")
         slabs: SlabSet | None = None
+        p, layer = self.plan, self.layer
         try:
-            # Headers only, but a checkpoint of a million tensors takes a moment: off the loop.
-            checkpoint, p = await asyncio.to_thread(self._open_and_plan)
-            layer = self._choose_layer(p)
             self.block = TieredMoEBlock.from_plan(p, layer)
             # On a GPU the first CUDA call of the process initialises CUDA, and the slabs'
-            # one allocation reserves their whole size: off the loop as well.
+            # one allocation reserves their whole size: off the loop.
             slabs = await asyncio.to_thread(SlabSet, p, self.device)
-            task = slabs.start(checkpoint, options=self.options, on_unit_ready=self._on_unit_ready)
+            task = slabs.start(
+                self.checkpoint, options=self.options, on_unit_ready=self._on_unit_ready
+            )
         except Exception as err:  # anything: /health reports it (500) instead of a crash
             self.error = f"{type(err).__name__}: {err}"
             log(f"cannot load {self.path}: {self.error}")
@@ -134,23 +150,6 @@ class Service:
                 break
             await asyncio.sleep(0.02)
         log(f"I/O threads left: {len(left)}" + (f" {left}" if left else ""))
-
-    def _open_and_plan(self) -> tuple[Checkpoint, Plan]:
-        checkpoint = Checkpoint.open(self.path)
-        tier_map = self.path / "tier_map.json" if self.path.is_dir() else None
-        if tier_map is not None and not tier_map.is_file():
-            tier_map = None
-        return checkpoint, plan(checkpoint, tier_map=tier_map)
-
-    def _choose_layer(self, p: Plan) -> int:
-        layers: list[int] = sorted(p.extras.get("partitions", {}))
-        if not layers:
-            raise ValueError("the checkpoint has no MoE layers to serve")
-        if self.requested_layer is None:
-            return layers[0]
-        if self.requested_layer not in layers:
-            raise ValueError(f"--layer {self.requested_layer} is not an MoE layer ({layers})")
-        return self.requested_layer
 
     async def _on_unit_ready(self, unit: str, slabs: SlabSet) -> None:
         # Runs inside the load's task group: an error here fails the load (and /health says so).
@@ -328,6 +327,67 @@ def build_app(service: Service) -> Starlette:
 
 # --------------------------------------------------------------------------- command line
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20, "mib": 1 << 20}
+_UNITS |= {"mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9}
+_UNITS |= {"t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> 268435456: a number and an optional unit, ``KiB/MiB/GiB`` (or
+    ``K/M/G``) in powers of 1024, ``KB/MB/GB`` in powers of 1000 (and ``T``); no unit or
+    ``B``: bytes. Case-insensitive."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        size = round(float(number) * _UNITS[unit])
+    except (ValueError, KeyError, OverflowError):
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected a number and an optional unit, like 256MiB or 1GB"
+        ) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least one byte")
+    return size
+
+
+class Refused(Exception):
+    """What cannot be served, found before the server starts: exit code 2."""
+
+
+def check_device(device: str) -> None:
+    """Without initialising CUDA (the lifespan does, off the loop): is ``device`` there?"""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:
+        raise Refused(f"--device {device}: {err}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise Refused(f"--device {device}: not supported (cpu or cuda[:N])")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise Refused(f"--device {device}: CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise Refused(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+
+
+def open_and_plan(path: Path, layer: int | None) -> tuple[Checkpoint, Plan, int]:
+    """The checkpoint's headers, its plan and the MoE layer to serve; no payload is read."""
+    try:
+        checkpoint = Checkpoint.open(path)
+        tier_map = path / "tier_map.json" if path.is_dir() else None
+        if tier_map is not None and not tier_map.is_file():
+            tier_map = None
+        p = plan(checkpoint, tier_map=tier_map)
+    except (ValueError, OSError) as err:  # asyncslab's errors are ValueErrors
+        message = f"{type(err).__name__}: {err}"
+        raise Refused(message if str(path) in message else f"{path}: {message}") from None
+    layers: list[int] = sorted(p.extras.get("partitions", {}))
+    if not layers:
+        raise Refused(f"{path}: the checkpoint has no MoE layers to serve")
+    if layer is None:
+        return checkpoint, p, layers[0]
+    if layer not in layers:
+        raise Refused(f"--layer {layer} is not an MoE layer of {path} ({layers})")
+    return checkpoint, p, layer
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -340,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--size",
         type=parse_size,
-        default=parse_size("256MiB"),
+        default=256 << 20,
         help="size of the generated checkpoint (default 256MiB)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the generated checkpoint")
@@ -348,7 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--layer", type=int, help="MoE layer to serve (default: the first)")
     ap.add_argument(
-        "--device", default="cpu", help="cpu or cuda[:N] (default cpu; the tests exercise cpu only)"
+        "--device",
+        default="cpu",
+        help="cpu or cuda[:N] (default cpu; the tests load on cpu only)",
     )
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument(
@@ -362,12 +424,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def _terminated(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM before the server is up: clean up as for Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if MISSING is not None:
+        print(f"skipped: {MISSING} is not installed ({INSTALL})")
+        return 0
+    try:
+        check_device(args.device)  # before generating a checkpoint it could not load
+    except Refused as err:
+        print(f"server: error: {one_line(err)}", file=sys.stderr)
+        return 2
     generated: Path | None = None
     # Until uvicorn takes over the signals: SIGTERM while the checkpoint is generated would
     # otherwise kill the process and leave the generated checkpoint behind.
@@ -376,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.checkpoint is not None:
             path = args.checkpoint
             if not path.exists():
-                print(f"server: {path}: no such checkpoint", file=sys.stderr)
+                print(f"server: error: {path}: no such checkpoint", file=sys.stderr)
                 return 2
         else:
             generated = path = Path(tempfile.mkdtemp(prefix="asyncslab-server-"))
@@ -387,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{written.n_tensors} tensors, {len(written.files)} files in "
                 f"{time.perf_counter() - t0:.1f} s"
             )
+        try:  # headers only: a checkpoint that cannot be served never starts the server
+            checkpoint, p, layer = open_and_plan(path, args.layer)
+        except Refused as err:
+            print(f"server: error: {one_line(err)}", file=sys.stderr)
+            return 2
         log(f"checkpoint: {path}")
 
         options = LoadOptions()
@@ -395,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             options = LoadOptions(read_size=PACED_READ_SIZE, max_bytes_per_s=rate)
             log(f"reads paced to {args.max_mb_per_s:g} MB/s, {PACED_READ_SIZE >> 10} KiB at a time")
 
-        service = Service(path, layer=args.layer, device=args.device, options=options)
+        service = Service(path, checkpoint, p, layer=layer, device=args.device, options=options)
         config = uvicorn.Config(
             build_app(service),
             host=args.host,

@@ -12,15 +12,16 @@ expert: gate rows, then up rows) and ``mlp.experts.down_proj`` ``(E, H, I)``; bu
 ``model.layers.L.block_sparse_moe.experts.E.w{1,2,3}.weight`` (w1 = gate, w3 = up,
 w2 = down), and ``from_pretrained`` renames and concatenates on the way in.
 
-The plan absorbs the names with a configured :class:`asyncslab.TieredMoE` (pattern for
+The plan absorbs both with a configured :class:`asyncslab.TieredMoE` (pattern for
 ``block_sparse_moe.experts.E.wN.weight``, fusion ``gate_up_proj = (w1, w3)``,
-``down_proj = (w2,)``, schema ``weight: float32``, no markers, one group ``all``). The
-layout it cannot absorb: TieredMoE lays a fused projection out shard-major,
-``(2, E, I, H)`` (CONTEXT rule 2), while ``gate_up_proj`` is expert-major ``(E, 2I, H)``,
-which no strided view of a shard-major slab can express. So ``down_proj``, the router and
-every dense weight bind zero-copy, and ``gate_up_proj`` is *copied* out of its slab
-(``permute`` + ``reshape``), and the script says so. ``tests/test_real_checkpoints.py`` shows
-the zero-copy alternative (an expert-major rule plus a reshaped view).
+``down_proj = (w2,)``, schema ``weight: float32``, no markers, one group ``all``) and
+``layout="expert_major"``: a fused projection's slab is ``backing[expert, shard]``, so the
+``gate_up_proj`` slab ``(E, 2, I, H)`` holds, byte for byte, the parameter's ``(E, 2I, H)``
+(expert e's gate rows, then its up rows) and binds as ``(slab, (), (E, 2I, H))``, a reshaped
+view of the same memory. (The default ``layout="shard_major"``, ``(2, E, I, H)``, could not:
+no strided view turns it into ``(E, 2I, H)``.) ``down_proj`` ``(E, H, I)``, the routers and
+every dense weight bind one to one. Every parameter is then a view of the slabs; nothing is
+copied, and the script checks it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,16 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from asyncslab import Checkpoint, Dense, SlabSet, TieredMoE, bind_module, load, plan  # noqa: E402
+from asyncslab import (  # noqa: E402
+    Checkpoint,
+    Dense,
+    SlabSet,
+    Target,
+    TieredMoE,
+    bind_module,
+    load,
+    plan,
+)
 
 #: Per-expert tensors as transformers saves Mixtral (and as Mixtral is published).
 EXPERT_PATTERN = (
@@ -75,39 +85,31 @@ def expert_rule() -> TieredMoE:
         schema={"weight": torch.float32},
         markers={},
         tier_suffix=None,
+        layout="expert_major",  # (E, 2, I, H): the bytes of transformers' (E, 2I, H)
     )
 
 
-def slab_target(name: str, slabs: SlabSet) -> str | None:
-    """Module name -> slab. ``gate_up_proj`` has no zero-copy target (see the docstring)."""
+def slab_target(name: str, slabs: SlabSet, config: Any) -> Target | None:
+    """Module parameter name -> what it binds to (a slab, or a slab under another shape)."""
     if name in slabs.plan.slabs:  # dense weights, and experts if saved already fused
         return name
     m = _FUSED_PARAM.fullmatch(name)
     if m is not None:
         layer, fused = m.groups()
-        return None if fused == "gate_up_proj" else _expert_slab(layer, fused)
+        slab = expert_slab(layer, fused)
+        if fused == "gate_up_proj":  # slab (E, 2, I, H), parameter (E, 2I, H): same bytes
+            experts, inter = config.num_local_experts, config.intermediate_size
+            return (slab, (), (experts, 2 * inter, config.hidden_size))
+        return slab
     m = _ROUTER_PARAM.fullmatch(name)
     if m is not None:
         return f"model.layers.{m.group(1)}.block_sparse_moe.gate.weight"
     return None
 
 
-def _expert_slab(layer: str, fused: str) -> str:
+def expert_slab(layer: int | str, fused: str) -> str:
+    """TieredMoE's slab name, ``{prefix}.{group}.{fused}.{suffix}``, for the one group."""
     return f"model.layers.{layer}.block_sparse_moe.experts.all.{fused}.weight"
-
-
-def fill_gate_up(model: torch.nn.Module, slabs: SlabSet) -> list[str]:
-    """Copy each ``(2, E, I, H)`` slab into the ``(E, 2I, H)`` parameter; returns names."""
-    copied = []
-    for name, param in model.named_parameters():
-        m = _FUSED_PARAM.fullmatch(name)
-        if m is None or m.group(2) != "gate_up_proj" or name in slabs.plan.slabs:
-            continue
-        slab = slabs.slab(_expert_slab(m.group(1), "gate_up_proj"))
-        with torch.no_grad():
-            param.copy_(slab.permute(1, 0, 2, 3).reshape(param.shape))
-        copied.append(name)
-    return copied
 
 
 def compare(slabs: SlabSet, checkpoint: Checkpoint) -> tuple[int, int, float]:
@@ -167,15 +169,24 @@ async def run(root: Path) -> None:
             raise SystemExit("MISMATCH: asyncslab and safetensors disagree")
 
         model = MixtralForCausalLM(config).eval()
-        views = bind_module(model, slabs, lambda n: slab_target(n, slabs), strict=False)
-        copied = fill_gate_up(model, slabs)
-        params = [n for n, _ in model.named_parameters()]
-        missing = sorted(set(params) - views.keys() - set(copied))
-        if missing:
-            raise SystemExit(f"parameters neither bound nor filled: {missing}")
+        # strict: a parameter left unbound, or a shape that does not fit, is an error.
+        views = bind_module(model, slabs, lambda n: slab_target(n, slabs, config))
+        params = dict(model.named_parameters())
+        backing = next(iter(views.values())).untyped_storage().data_ptr()  # one allocation
+        zero_copy = [
+            n
+            for n, t in params.items()
+            if t.data_ptr() == views[n].data_ptr() and t.untyped_storage().data_ptr() == backing
+        ]
+        if len(zero_copy) != len(params):
+            raise SystemExit(
+                f"parameters not views of the slabs: {sorted(set(params) - set(zero_copy))}"
+            )
+        gate_up = slabs.plan.slabs[expert_slab(0, "gate_up_proj")]
         print(
-            f"bound zero-copy: {sum(n in views for n in params)}/{len(params)} parameters; "
-            f"copied (shard-major slab -> expert-major parameter): {copied}"
+            f"bound zero-copy: {len(zero_copy)}/{len(params)} parameters are views of the slabs "
+            f"(gate_up_proj: slab {tuple(gate_up.shape)} as "
+            f"{tuple(params['model.layers.0.mlp.experts.gate_up_proj'].shape)})"
         )
         reference = MixtralForCausalLM.from_pretrained(root, local_files_only=True).eval()
         generator = torch.Generator().manual_seed(1)

@@ -6,6 +6,7 @@ zero-copy views of the slabs."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -322,20 +323,126 @@ def test_sigterm_while_generating_the_checkpoint_removes_it(tmp_path: Path) -> N
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_checkpoint_that_cannot_be_planned_reports_500_with_every_key(tmp_path: Path) -> None:
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    (bad / "model.safetensors").write_bytes(b"\x01\x02\x03\x04")
+def run_script(
+    args: list[str], tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``examples/server.py`` run to its end (it is expected not to serve)."""
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / "server.py"), *args],
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=UP_TIMEOUT + LOAD_TIMEOUT,
+    )
+
+
+def assert_refused(done: subprocess.CompletedProcess[str], *phrases: str) -> None:
+    """Exit code 2, one line on stderr saying why, and no server started."""
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("server: error: "), done.stderr
+    for phrase in phrases:
+        assert phrase in done.stderr, (phrase, done.stderr)
+    assert "Started server" not in done.stdout + done.stderr
+
+
+def malformed_file(root: Path) -> Path:
+    root.mkdir()
+    (root / "model.safetensors").write_bytes(b"\x01\x02\x03\x04")
+    return root
+
+
+def empty_dir(root: Path) -> Path:
+    root.mkdir()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("make", "phrase"),
+    [(empty_dir, "MissingFileError"), (malformed_file, "model.safetensors")],
+)
+def test_a_checkpoint_that_cannot_be_planned_exits_2_before_serving(
+    tmp_path: Path, make: Any, phrase: str
+) -> None:
+    # It used to start serving and answer /health with 500 until killed.
+    bad = make(tmp_path / "bad")
+    done = run_script(["--checkpoint", str(bad), "--port", str(free_port())], tmp_path)
+    assert_refused(done, phrase, str(bad))
+
+
+def test_a_layer_that_is_not_an_moe_layer_exits_2(
+    checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path
+) -> None:
+    args = ["--checkpoint", str(checkpoint.root), "--layer", "0", "--port", str(free_port())]
+    assert_refused(run_script(args, tmp_path), "--layer 0 is not an MoE layer")
+
+
+@pytest.mark.parametrize(
+    ("device", "phrase"),
+    [
+        pytest.param(
+            "cuda",
+            "CUDA is not available",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
+        ),
+        ("meta", "not supported"),
+        ("cuda:x", "cuda:x"),
+    ],
+)
+def test_a_device_that_is_not_there_exits_2_before_generating(
+    tmp_path: Path, device: str, phrase: str
+) -> None:
+    # --device cuda without CUDA generated the whole 256 MiB checkpoint, then served 500s.
+    done = run_script(["--device", device, "--port", str(free_port())], tmp_path)
+    assert_refused(done, f"--device {device}", phrase)
+    assert list(tmp_path.iterdir()) == [], "a checkpoint was generated"
+
+
+@pytest.mark.parametrize("package", ["uvicorn", "starlette"])
+def test_without_its_packages_the_script_says_why_and_exits_0(tmp_path: Path, package: str) -> None:
+    # It ended in a ModuleNotFoundError traceback (exit 1), unlike the other examples.
+    shadow = tmp_path / "shadow"
+    (shadow / package).mkdir(parents=True)
+    (shadow / package / "__init__.py").write_text(
+        f"raise ModuleNotFoundError('hidden by the test', name={package!r})\n"
+    )
+    path = os.pathsep.join([str(shadow), *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = run_script(["--port", str(free_port())], tmp_path, env={"PYTHONPATH": path})
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    assert done.stdout.count("\n") == 1, done.stdout
+    assert done.stdout.startswith(f"skipped: {package} is not installed"), done.stdout
+    assert "pip install" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == [shadow], "a checkpoint was generated"
+
+
+def test_slabs_that_cannot_be_allocated_report_500_with_every_key(tmp_path: Path) -> None:
+    """A failure at startup, after planning (here: a slab torch cannot make; on a GPU, out
+    of memory), is served as a failed load: /health 500 with every key."""
+    written = write_synthetic(tmp_path / "ckpt", spec_for_size(SIZE))
+    # A valid header (zero bytes) that no torch tensor can have: planned, then refused at
+    # allocation.
+    header = b'{"z":{"dtype":"U8","shape":[0,9223372036854775808],"data_offsets":[0,0]}}'
+    (written.root / "z.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    index_path = written.root / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["z"] = "z.safetensors"
+    index_path.write_text(json.dumps(index))
     with (
-        run_server(bad, tmp_path) as server,
+        run_server(written.root, tmp_path) as server,
         httpx.Client(base_url=server.url, timeout=10.0) as client,
     ):
         status, body, _ = wait_up(client, server)  # every key checked, layer ones included
         assert status == 500, body
+        assert "cannot make slab 'z'" in body["error"], body
         assert body["layer"] is None
         assert body["layer_bound"] is False
+        forward = client.get("/forward")
+        assert forward.status_code == 500, forward.text
         server.proc.send_signal(signal.SIGTERM)
         assert server.wait_exit(EXIT_TIMEOUT) == 0, server.describe()
+    assert "Traceback" not in server.stdout + server.stderr, server.describe()
 
 
 def test_failed_load_reports_500(tmp_path: Path) -> None:
