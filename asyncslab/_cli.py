@@ -35,7 +35,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 import torch
 
 from ._errors import AsyncSlabError
-from ._format import Checkpoint
+from ._format import INDEX_SUFFIX, Checkpoint
 from ._loader import LoadOptions, LoadStatistics, SlabSet, load
 from ._plan import Plan, plan
 from ._progress import ProgressBar, format_bytes, format_duration, format_table
@@ -430,11 +430,9 @@ def _open_and_plan(
 ) -> tuple[Checkpoint, Plan]:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
-    if path.is_file() and path.name.endswith(".json"):
-        # Said in the command line's words ("pass"), before opening: a tier map passed as
-        # the checkpoint is no index, and "pass the directory" would send one astray.
-        if path.name.endswith(_INDEX_SUFFIX):
-            raise UsageError(f"{path} is an index: pass the checkpoint directory that holds it")
+    if path.is_file() and path.name.endswith(".json") and not path.name.endswith(INDEX_SUFFIX):
+        # A tier map passed as the checkpoint, say: said before opening, in the command
+        # line's words. (An index opens the checkpoint it lists.)
         raise UsageError(f"{path} is a JSON file, not a safetensors checkpoint or index")
     if isinstance(tier_map, Path) and tier_map.is_dir():
         raise UsageError(f"{tier_map} is a directory, not a tier map file")
@@ -442,9 +440,6 @@ def _open_and_plan(
         raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
     checkpoint = Checkpoint.open(path)
     return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
-
-
-_INDEX_SUFFIX = ".safetensors.index.json"
 
 
 def _natural(name: str) -> tuple[Any, ...]:

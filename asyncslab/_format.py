@@ -54,6 +54,7 @@ __all__ = ["Checkpoint", "ShardFile", "TensorInfo", "read_header", "parse_header
 #: The reference implementation's limit; a larger header is refused before it is read.
 MAX_HEADER_BYTES = 100_000_000
 INDEX_NAME = "model.safetensors.index.json"
+INDEX_SUFFIX = ".safetensors.index.json"
 _U64 = 1 << 64
 
 
@@ -684,8 +685,10 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Checkpoint:
-        """Accepts a ``.safetensors`` file, a directory with ``model.safetensors.index.json``,
-        or a directory of ``*.safetensors`` files."""
+        """Accepts a ``.safetensors`` file, an index (``*.safetensors.index.json``), a
+        directory with ``model.safetensors.index.json`` (or with one other index, as
+        ``diffusion_pytorch_model.safetensors.index.json``), or a directory of
+        ``*.safetensors`` files."""
         path = Path(path)
         with _gc_paused():
             return cls._open(path)
@@ -696,8 +699,9 @@ class Checkpoint:
         index_files: dict[str, Path] = {}
         if path.is_dir():
             root = path
-            if (root / INDEX_NAME).exists():
-                index = _read_index(root / INDEX_NAME)
+            index_path = _find_index(root)
+            if index_path is not None:
+                index = _read_index(index_path)
                 index_files = _index_files(root, index)
                 paths = list(index_files.values())
             else:
@@ -705,10 +709,11 @@ class Checkpoint:
                 paths = [_check_inside(root, p.name, None) for p in found]
                 if not paths:
                     raise MissingFileError("no *.safetensors files and no index", file=root)
-        elif path.name.endswith(".safetensors.index.json") and path.is_file():
-            raise IndexFileError(
-                f"{path} is an index: open the checkpoint directory that holds it", file=path
-            )
+        elif path.name.endswith(INDEX_SUFFIX):
+            root = path.parent
+            index = _read_index(path)
+            index_files = _index_files(root, index)
+            paths = list(index_files.values())
         elif path.name.endswith(".json") and path.is_file():
             # A tier map or config passed by mistake: read as a shard, its first bytes made
             # an absurd header length.
@@ -797,6 +802,22 @@ class _Index:
     names: list[str]
     files: list[str]
     checked: bool
+
+
+def _find_index(root: Path) -> Path | None:
+    """The directory's index: ``model.safetensors.index.json``, else its only other one
+    (diffusers names theirs after the model). Several others are refused: globbing every
+    shard would mix their variants (fp16 and fp32 shards of the same tensors)."""
+    if (root / INDEX_NAME).exists():
+        return root / INDEX_NAME
+    found = sorted(root.glob("*" + INDEX_SUFFIX))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
+        raise IndexFileError(
+            f"{len(found)} indexes and no {INDEX_NAME} ({names}): open the index to load",
+            file=root,
+        )
+    return found[0] if found else None
 
 
 def _read_index(index_path: Path) -> _Index:

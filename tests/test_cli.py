@@ -725,19 +725,25 @@ def test_a_json_file_that_is_no_index_is_not_called_one(
     )
 
 
-@pytest.mark.parametrize("what", ["tier map directory", "index as the path"])
-def test_misleading_paths_get_a_message_that_says_what_they_are(
-    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path, what: str
+def test_a_tier_map_directory_gets_a_message_that_says_what_it_is(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
 ) -> None:
-    if what == "tier map directory":
-        argv = ["load", str(checkpoint.root), "--tier-map", str(tmp_path)]
-        fragment = "is a directory, not a tier map file"
-    else:
-        assert checkpoint.index is not None
-        argv = ["load", str(checkpoint.index)]
-        fragment = f"{checkpoint.index} is an index: pass the checkpoint directory that holds it"
+    argv = ["load", str(checkpoint.root), "--tier-map", str(tmp_path)]
     assert main(argv) == 2
-    assert_one_error_line(capsys.readouterr().err, fragment)
+    assert_one_error_line(capsys.readouterr().err, "is a directory, not a tier map file")
+
+
+def test_an_index_as_the_path_loads_the_checkpoint_it_lists(
+    capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint
+) -> None:
+    # It was refused: "is an index: pass the checkpoint directory that holds it".
+    assert checkpoint.index is not None
+    argv = ["load", str(checkpoint.index), "--verify", "--no-progress"]
+    argv += ["--tier-map", str(checkpoint.tier_map_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"loaded {checkpoint.index}:" in out
+    assert "OK: all" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -498,12 +498,15 @@ def test_a_hub_cache_snapshot_may_not_link_anywhere_else(tmp_path: Path) -> None
         Checkpoint.open(snapshot)
 
 
-def test_opening_the_index_file_says_to_open_its_directory(two_shards: Path) -> None:
-    # It was read as a shard: "header length 8388068008349082235 exceeds the limit".
+def test_an_index_opens_the_checkpoint_it_lists(two_shards: Path) -> None:
+    # It was read as a shard ("header length 8388068008349082235 exceeds the limit"), then
+    # refused with "open the checkpoint directory" (which cannot pick one of several).
     idx = index(two_shards, {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"})
-    with pytest.raises(IndexFileError, match="is an index: open the checkpoint directory"):
-        Checkpoint.open(idx)
-    assert sorted(Checkpoint.open(two_shards).tensors) == ["x", "y", "z"]
+    by_index, by_directory = Checkpoint.open(idx), Checkpoint.open(two_shards)
+    assert sorted(by_index.tensors) == ["x", "y", "z"]
+    assert by_index.index == by_directory.index == idx
+    assert by_index.root == by_directory.root == two_shards
+    assert by_index.tensors == by_directory.tensors
     # Another JSON file (a tier map, a config) is no index: it said it was one.
     tiers = two_shards / "tier_map.json"
     tiers.write_text('{"1": [3, 4]}')
@@ -511,3 +514,27 @@ def test_opening_the_index_file_says_to_open_its_directory(two_shards: Path) -> 
         Checkpoint.open(tiers)
     assert not isinstance(info.value, IndexFileError)
     assert info.value.file == str(tiers)
+
+
+def test_a_directory_whose_only_index_has_another_name_opens_through_it(
+    two_shards: Path,
+) -> None:
+    # diffusers names its index after the model: it was ignored, every *.safetensors
+    # globbed instead (c.safetensors, listed nowhere, with them).
+    weights = {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}
+    idx = two_shards / "diffusion_pytorch_model.safetensors.index.json"
+    idx.write_text(json.dumps({"metadata": {}, "weight_map": weights}))
+    shard(two_shards, "c.safetensors", ["w"])
+    ck = Checkpoint.open(two_shards)
+    assert ck.index == idx
+    assert sorted(ck.tensors) == ["x", "y", "z"]
+    # Two such indexes (variants of one model): refused, naming them, not mixed.
+    (two_shards / "diffusion_pytorch_model.fp16.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"w": "c.safetensors"}})
+    )
+    with pytest.raises(IndexFileError, match=r"2 indexes and no model\.safetensors\.index\.json"):
+        Checkpoint.open(two_shards)
+    assert sorted(Checkpoint.open(idx).tensors) == ["x", "y", "z"]
+    # model.safetensors.index.json, where there is one, is the index, as before.
+    index(two_shards, {"w": "c.safetensors"})
+    assert sorted(Checkpoint.open(two_shards).tensors) == ["w"]
