@@ -56,6 +56,7 @@ from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Claim, Plan, Rule, plan
 from ._read import pread_scatter, scatter
 from ._rules import Dense, RowSlice
+from ._staging import pinned_bytes
 
 __all__ = [
     "DEFAULT_ROWS",
@@ -870,7 +871,10 @@ class _Session:
                         torch.empty(size, dtype=torch.uint8, device=self.comm_device)
                         for _ in range(nbuf)
                     ]
-                self.slabs._staging_budget = nbuf * size * (2 if self.comm_cuda else 1)
+                # What is held: torch pins a power of two (a chunk of 16 MiB and its status
+                # byte take 32 MiB of pinned memory); the device buffers are as asked.
+                held = pinned_bytes(size) if pin else size
+                self.slabs._staging_budget = nbuf * (held + (size if self.comm_cuda else 0))
                 self.slabs._staging_peak = self.slabs._staging_budget
                 routes = _RouteIndex(self.plan, self.slabs)
                 thread.start()

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StagingBuffers", "StagingStatistics"]
+__all__ = ["StagingBuffers", "StagingStatistics", "pinned_bytes"]
+
+
+def pinned_bytes(size: int) -> int:
+    """The pinned memory ``torch.empty(size, pin_memory=True)`` holds: torch's pinned-memory
+    allocator rounds each block up to a power of two (and keeps it for reuse when freed)."""
+    return 1 << (size - 1).bit_length() if size > 0 else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncslab._loader import _staging_budget
-from asyncslab._staging import StagingBuffers, StagingStatistics
+from asyncslab._staging import StagingBuffers, StagingStatistics, pinned_bytes
 
 
 def test_staging_buffers_one_per_thread_made_when_first_used() -> None:
@@ -93,3 +93,13 @@ def test_pinned_staging_is_sized_as_torch_pins_it(
     assert got <= budget
     if pinned:
         assert size & (size - 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("size", "held"),
+    [(0, 0), (1, 1), (2, 2), (3, 4), (64 << 10, 64 << 10), ((16 << 20) + 1, 32 << 20)],
+)
+def test_pinned_bytes_is_the_power_of_two_torch_pins(size: int, held: int) -> None:
+    # A shared distributed load's chunk buffer (16 MiB and its status byte) holds 32 MiB
+    # of pinned memory; its statistics said 16 MiB.
+    assert pinned_bytes(size) == held
