@@ -209,7 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a checkpoint's headers, plan it with the default rules and print "
         "files, tensors, slabs, bytes, units and the expert tiers of every layer.",
     )
-    inspect.add_argument("path", type=Path, help="a .safetensors file or a checkpoint directory")
+    inspect.add_argument(
+        "path", type=Path, help="a .safetensors file, an index or a checkpoint directory"
+    )
     inspect.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     _add_plan_arguments(inspect)
     inspect.set_defaults(handler=_cmd_inspect)
@@ -221,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a whole checkpoint into its slabs and print files, tensors, bytes, "
         "time, GB/s, peak staging and peak RSS.",
     )
-    load_p.add_argument("path", type=Path, help="a .safetensors file or a checkpoint directory")
+    load_p.add_argument(
+        "path", type=Path, help="a .safetensors file, an index or a checkpoint directory"
+    )
     load_p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda[:N]")
     defaults = LoadOptions()
     load_p.add_argument(
@@ -946,7 +950,10 @@ def _cmd_load(args: argparse.Namespace) -> int:
     p: Plan | None = None
     try:
         checkpoint, p = _open_and_plan(path, tier_map=args.tier_map, rank=args.rank)
-        if json_path is not None and json_path.resolve() in {f.path.resolve() for f in p.files}:
+        listed = {f.path.resolve() for f in p.files}
+        if checkpoint.index is not None:
+            listed.add(checkpoint.index.resolve())
+        if json_path is not None and json_path.resolve() in listed:
             json_path = None  # not overwritten with the failure either
             raise UsageError(f"--json {args.json} is a file of the checkpoint")
         loaded = _run_load(

@@ -710,6 +710,8 @@ class Checkpoint:
                 if not paths:
                     raise MissingFileError("no *.safetensors files and no index", file=root)
         elif path.name.endswith(INDEX_SUFFIX):
+            if not path.exists():
+                raise MissingFileError("file does not exist", file=path)
             root = path.parent
             index = _read_index(path)
             index_files = _index_files(root, index)
@@ -718,8 +720,8 @@ class Checkpoint:
             # A tier map or config passed by mistake: read as a shard, its first bytes made
             # an absurd header length.
             raise CheckpointError(
-                f"{path} is a JSON file, not a safetensors file: open a .safetensors file or "
-                "the checkpoint directory",
+                f"{path} is a JSON file, not a safetensors file: open a .safetensors file, an "
+                "index (*.safetensors.index.json) or the checkpoint directory",
                 file=path,
             )
         else:
@@ -810,7 +812,10 @@ def _find_index(root: Path) -> Path | None:
     shard would mix their variants (fp16 and fp32 shards of the same tensors)."""
     if (root / INDEX_NAME).exists():
         return root / INDEX_NAME
-    found = sorted(root.glob("*" + INDEX_SUFFIX))
+    # Regular files only, and no hidden ones (macOS leaves "._name" beside each file).
+    found = sorted(
+        p for p in root.glob("*" + INDEX_SUFFIX) if not p.name.startswith(".") and p.is_file()
+    )
     if len(found) > 1:
         names = ", ".join(p.name for p in found[:4]) + (" ..." if len(found) > 4 else "")
         raise IndexFileError(

@@ -201,6 +201,13 @@ class TieredMoE:
     layout: Literal["shard_major", "expert_major"] = "shard_major"
 
     def __post_init__(self) -> None:
+        for fused, projs in self.fusion.items():
+            if isinstance(projs, str) or not all(isinstance(p, str) for p in projs):
+                # ("down_proj") is a string, not a tuple: its letters were projections.
+                raise PlanError(
+                    f"TieredMoE fusion[{fused!r}] = {projs!r}: expected a tuple of projection "
+                    f"names, like ('down_proj',)"
+                )
         listed = [p for projs in self.fusion.values() for p in projs]
         if len(set(listed)) != len(listed):
             twice = sorted({p for p in listed if listed.count(p) > 1})
@@ -557,6 +564,22 @@ class TieredMoE:
         return partition, slabs, routes
 
 
+def _tier_key(key: Any, what: str) -> int:
+    """A layer or expert number: an integer, or its decimal digits as JSON keys are (1.7 or
+    True would silently become 1)."""
+    if isinstance(key, str) and key.isascii() and key.isdecimal():
+        return int(key)
+    if isinstance(key, bool) or not isinstance(key, Integral):
+        raise TypeError(f"{what} {key!r} is not a number")
+    return int(key)
+
+
+def _put(entry: dict[int, Any], key: int, value: Any, what: str) -> None:
+    if key in entry:  # "1" and "01", or 1 and "1": one would silently win
+        raise ValueError(f"{what} {key} is given twice")
+    entry[key] = value
+
+
 def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int, int]]:
     """Read a declared tier map: ``{"<layer>": {"<expert>": bits}}`` or
     ``{"<layer>": [bits of expert 0, 1, ...]}``, optionally under a top-level ``"layers"``."""
@@ -575,7 +598,9 @@ def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int,
     result: dict[int, dict[int, int]] = {}
     try:
         for layer, experts in raw.items():
-            if isinstance(experts, list):
+            if hasattr(experts, "tolist"):  # a NumPy array (or a tensor) of bits per expert
+                experts = experts.tolist()
+            if isinstance(experts, list | tuple):
                 pairs: Iterable[tuple[Any, Any]] = enumerate(experts)
             elif isinstance(experts, Mapping):
                 pairs = experts.items()
@@ -586,8 +611,9 @@ def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int,
                 # Any integer (a NumPy one too), not a bool or a float.
                 if isinstance(bits, bool) or not isinstance(bits, Integral) or bits <= 0:
                     raise TypeError(f"layer {layer} expert {expert}: bits must be a positive int")
-                entry[int(expert)] = int(bits)
-            result[int(layer)] = entry
+                what = f"layer {layer}: expert"
+                _put(entry, _tier_key(expert, what), int(bits), what)
+            _put(result, _tier_key(layer, "layer"), entry, "layer")
     except (TypeError, ValueError) as err:
         raise TierMapError(f"malformed tier map: {err}", file=where) from None
     return result

@@ -85,7 +85,8 @@ class SlabSpec:
         """Byte offset of ``slot`` within the backing."""
         linear = _linear(slot, self.slot_dims)
         if linear < 0:
-            raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}")
+            hint = " (a slot is a tuple of ints)" if any(type(i) is not int for i in slot) else ""
+            raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}{hint}")
         return linear * self.slot_nbytes if linear else 0
 
 
@@ -176,7 +177,14 @@ def make_route(
     **context: Any,
 ) -> Route:
     """A route for ``info`` (or its ``rows`` ``[start, stop)``) into ``slot`` of ``spec``;
-    rules call this, :func:`plan` checks it."""
+    rules call this, :func:`plan` checks it. The slot's indices may be any integers
+    (NumPy's, an ``IntEnum``): they are stored as ints; a bool or a float is refused."""
+    try:
+        slot = tuple(map(_index, slot))
+    except TypeError:
+        raise PlanError(
+            f"slot {slot} of {info.name!r}: a slot is a tuple of ints", tensor=info.name
+        ) from None
     offset, nbytes, shape = info.offset, info.nbytes, None
     if rows is not None:
         start, stop = rows
@@ -198,6 +206,12 @@ def make_route(
         shape=shape,
         **context,
     )
+
+
+def _index(value: Any) -> int:
+    if isinstance(value, bool):  # an int to Python; never meant as a slot index
+        raise TypeError("a bool")
+    return operator.index(value)
 
 
 def index_number(text: str, what: str, info: TensorInfo) -> int:

@@ -670,7 +670,7 @@ def test_demo_refuses_to_write_over_a_checkpoint_it_did_not_write(
     assert {p.name: p.read_bytes() for p in target.iterdir()} == before
 
 
-@pytest.mark.parametrize("where", ["a directory", "a shard", "under a file"])
+@pytest.mark.parametrize("where", ["a directory", "a shard", "under a file", "the index"])
 def test_json_that_cannot_be_written_fails_before_the_load(
     capsys: pytest.CaptureFixture[str],
     checkpoint: SyntheticCheckpoint,
@@ -681,10 +681,13 @@ def test_json_that_cannot_be_written_fails_before_the_load(
     # checkpoint with JSON, so that the next load failed on its header.
     target = copy_checkpoint(checkpoint, tmp_path / "ckpt")
     (tmp_path / "afile").write_text("x")
+    assert checkpoint.index is not None
     json_path = {
         "a directory": tmp_path,
         "a shard": target / checkpoint.files[0].name,
         "under a file": tmp_path / "afile" / "stats.json",
+        # The index is the checkpoint's too (and now a path to load: passed twice, say).
+        "the index": target / checkpoint.index.name,
     }[where]
     before = {p.name: p.read_bytes() for p in target.iterdir()}
     assert main(["load", str(target), "--no-progress", "--json", str(json_path)]) == 2

@@ -573,6 +573,44 @@ def test_a_custom_rule_with_list_dims_is_judged_by_the_route_checker(tmp_path: P
     assert [p.where(f"w.{i}") for i in range(2)] == [("w", (0,)), ("w", (1,))]
 
 
+def test_make_route_takes_any_integers_and_refuses_the_rest(tmp_path: Path) -> None:
+    """Custom rules' slots from NumPy or an IntEnum planned before slots had to be ints;
+    make_route stores them as ints. A bool or a float is no slot index."""
+    import enum
+
+    import numpy as np
+
+    class Row(enum.IntEnum):
+        FIRST = 0
+        SECOND = 1
+
+    save_file({f"w.{i}": torch.full((4,), float(i)) for i in range(2)}, tmp_path / "m.safetensors")
+    ck = Checkpoint.open(tmp_path)
+    spec = SlabSpec("w", "u", torch.float32, (2,), (4,))
+    for index in (np.int64(1), np.int32(1), Row.SECOND):
+        route = make_route(ck.tensors["w.1"], spec, (index,))
+        assert route.slot == (1,)
+        assert type(route.slot[0]) is int
+        assert route.dst_offset == 16
+
+    class Rule:
+        def claim(self, checkpoint: Checkpoint, pending: Any) -> Claim:
+            routes = (
+                make_route(pending["w.0"], spec, (Row.FIRST,)),
+                make_route(pending["w.1"], spec, (np.int64(1),)),
+            )
+            return Claim(slabs=(spec,), routes=routes)
+
+    assert plan(ck, [Rule()]).where("w.1") == ("w", (1,))
+    for bad in ((True,), (1.0,), (0.5,)):
+        with pytest.raises(PlanError, match=r"'w\.1': a slot is a tuple of ints") as info:
+            make_route(ck.tensors["w.1"], spec, bad)  # type: ignore[arg-type]
+        assert info.value.tensor == "w.1"
+    hint = r"is outside slab 'w' \(2,\) \(a slot is a tuple of ints\)"
+    with pytest.raises(PlanError, match=hint):
+        spec.slot_offset((1.0,))  # type: ignore[arg-type]
+
+
 def test_a_route_that_would_write_outside_its_slot_is_refused(tmp_path: Path) -> None:
     """The loader writes at a route's byte offset: a custom rule's route whose offset is
     not its slot's, or whose slot lies outside the slab, would write over another slot or

@@ -538,3 +538,24 @@ def test_a_directory_whose_only_index_has_another_name_opens_through_it(
     # model.safetensors.index.json, where there is one, is the index, as before.
     index(two_shards, {"w": "c.safetensors"})
     assert sorted(Checkpoint.open(two_shards).tensors) == ["w"]
+
+
+def test_hidden_files_and_non_files_named_like_an_index_are_not_indexes(
+    two_shards: Path,
+) -> None:
+    weights = {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}
+    idx = two_shards / "diffusion_pytorch_model.safetensors.index.json"
+    idx.write_text(json.dumps({"metadata": {}, "weight_map": weights}))
+    # macOS's AppleDouble twin, a directory and a FIFO of index-like names: not counted.
+    (two_shards / ("._" + idx.name)).write_bytes(b"\x00\x05\x16\x07")
+    (two_shards / "sub.safetensors.index.json").mkdir()
+    os.mkfifo(two_shards / "pipe.safetensors.index.json")
+    assert Checkpoint.open(two_shards).index == idx
+    idx.unlink()
+    assert Checkpoint.open(two_shards).index is None  # globbed, as without an index
+
+
+def test_a_missing_index_is_a_missing_file(tmp_path: Path) -> None:
+    # It said "index is not a regular file", where a missing shard says it does not exist.
+    with pytest.raises(MissingFileError, match="file does not exist"):
+        Checkpoint.open(tmp_path / "model.safetensors.index.json")

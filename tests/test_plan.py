@@ -17,6 +17,7 @@ import shutil
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -327,6 +328,30 @@ def test_tiered_moe_refuses_a_projection_fused_twice(fusion: dict[str, tuple[str
         TieredMoE(fusion=fusion)
 
 
+def test_tiered_moe_refuses_a_fusion_entry_that_is_a_string() -> None:
+    # ("down_proj") is a string: its letters were taken for projections ("'o' twice").
+    with pytest.raises(PlanError, match=r"fusion\['w2'\] = 'down_proj': expected a tuple"):
+        TieredMoE(fusion={"w13": ("gate_proj", "up_proj"), "w2": ("down_proj")})  # noqa: UP034
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ({"1": {"1": 3, "01": 4}}, "layer 1: expert 1 is given twice"),
+        ({"1": [3], 1: [4]}, "layer 1 is given twice"),
+        ({"1.9": [3]}, "layer '1.9' is not a number"),
+        ({True: [3]}, "layer True is not a number"),
+        ({"1": {1.7: 3}}, "layer 1: expert 1.7 is not a number"),
+    ],
+)
+def test_a_tier_map_refuses_keys_that_are_no_numbers_or_collide(
+    source: dict[Any, Any], message: str
+) -> None:
+    # Each was read as some other map: 1.7 and True as 1, "1" and "01" as one expert.
+    with pytest.raises(TierMapError, match=re.escape(message)):
+        load_tier_map(source)
+
+
 def test_a_tier_map_takes_integers_of_any_kind(gen: SyntheticCheckpoint, gen_plan: Plan) -> None:
     import numpy as np
 
@@ -337,6 +362,11 @@ def test_a_tier_map_takes_integers_of_any_kind(gen: SyntheticCheckpoint, gen_pla
     }
     assert plan(ck, [TieredMoE(tier_map=as_numpy), Dense()]).routes == gen_plan.routes
     assert plan(ck, tier_map=as_numpy).routes == gen_plan.routes
+    as_arrays = {  # bits per expert as an array, the natural NumPy form
+        layer: np.array([tiers[e] for e in range(len(tiers))])
+        for layer, tiers in gen.tier_map.items()
+    }
+    assert plan(ck, tier_map=as_arrays).routes == gen_plan.routes
     for bits in (4.0, True, 0):
         with pytest.raises(TierMapError, match="bits must be a positive int"):
             TieredMoE(tier_map={1: {0: bits}})
