@@ -394,7 +394,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--checkpoint",
         type=Path,
-        help="safetensors file or directory to load "
+        help="safetensors file, index or directory to load "
         "(default: generate a synthetic MoE checkpoint of --size)",
     )
     ap.add_argument(
