@@ -8,6 +8,7 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from numbers import Integral
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -121,6 +122,12 @@ class Stack:
     def __post_init__(self) -> None:
         if self.dtype is not None:
             _check_dtype(self.dtype, "Stack(dtype=...)")
+        if self.count is not None:
+            # An int: a NumPy count became the slab's dims, and so another layout
+            # fingerprint than the same plan with count=4 (a reload would be refused).
+            if isinstance(self.count, bool) or not isinstance(self.count, Integral):
+                raise PlanError(f"Stack(count={self.count!r}): expected an int")
+            object.__setattr__(self, "count", int(self.count))
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)

@@ -1017,6 +1017,20 @@ def test_stack_count_catches_missing_last_indices(tmp_path: Path) -> None:
     ].slot_dims == (4,)
 
 
+def test_stack_count_of_any_integer_plans_the_same_layout(tmp_path: Path) -> None:
+    import numpy as np
+
+    full = write(tmp_path / "full", q_weights(4))
+    as_int = plan(full, [Stack(STACK.pattern, count=4)])
+    as_numpy = plan(full, [Stack(STACK.pattern, count=np.int64(4))])
+    # A NumPy count was the slab's dims as is: another layout fingerprint, same bytes.
+    assert as_numpy.layout_fingerprint == as_int.layout_fingerprint
+    assert as_numpy.fingerprint == as_int.fingerprint
+    for count in (4.0, True):
+        with pytest.raises(PlanError, match=r"Stack\(count=.*\): expected an int"):
+            Stack(STACK.pattern, count=count)  # type: ignore[arg-type]
+
+
 def test_tiered_moe_n_experts_catches_a_missing_last_expert(tmp_path: Path) -> None:
     """Inferred from the headers, experts 0..2 look like all of them; ``n_experts=4`` says
     expert 3 is missing."""
