@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import torch
 
-from ._errors import AsyncSlabError
+from ._errors import AsyncSlabError, PlanError
 from ._format import INDEX_SUFFIX, Checkpoint
 from ._loader import LoadOptions, LoadStatistics, SlabSet, load
 from ._plan import Plan, plan
@@ -443,7 +443,15 @@ def _open_and_plan(
     if isinstance(tier_map, Path) and not tier_map.is_file():
         raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
     checkpoint = Checkpoint.open(path)
-    return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
+    try:
+        return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
+    except PlanError as err:
+        n_ranks = err.details.get("ranks")
+        if rank is None and isinstance(n_ranks, int):  # in the command line's words
+            raise UsageError(
+                f"{path} is rank-sliced into {n_ranks} ranks: pass --rank (0..{n_ranks - 1})"
+            ) from err
+        raise
 
 
 def _natural(name: str) -> tuple[Any, ...]:

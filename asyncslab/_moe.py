@@ -340,7 +340,8 @@ class TieredMoE:
         n_ranks = max(r for r in ranks if r is not None) + 1
         if self.rank is None:
             raise PlanError(
-                f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})"
+                f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})",
+                ranks=n_ranks,
             )
         if not 0 <= self.rank < n_ranks:
             raise PlanError(f"rank={self.rank}, but the checkpoint has ranks 0..{n_ranks - 1}")

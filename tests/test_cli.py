@@ -728,6 +728,19 @@ def test_a_json_file_that_is_no_index_is_not_called_one(
     )
 
 
+def test_a_rank_sliced_checkpoint_without_rank_says_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # It said "pass rank= (0..1)", the library's keyword, not the command line's option.
+    sliced = write_synthetic(tmp_path / "tp2", SyntheticSpec(n_layers=2, tp_ranks=2))
+    assert main(["load", str(sliced.root), "--no-progress"]) == 2
+    line = assert_one_error_line(capsys.readouterr().err, "rank-sliced into 2 ranks")
+    assert line.endswith("pass --rank (0..1)")
+    argv = ["load", str(sliced.root), "--no-progress", "--rank", "1"]
+    argv += ["--tier-map", str(sliced.tier_map_path)]
+    assert main(argv) == 0
+
+
 def test_a_tier_map_directory_gets_a_message_that_says_what_it_is(
     capsys: pytest.CaptureFixture[str], checkpoint: SyntheticCheckpoint, tmp_path: Path
 ) -> None:
