@@ -857,9 +857,12 @@ class _Session:
         setup_error: Exception | None = None
         try:
             try:
+                # A chunk's broadcast is its payload and a status byte, chunk_bytes in all:
+                # a power of two fills the pinned block torch makes of it (a payload of
+                # 16 MiB and its byte took 32 MiB pinned, see pinned_bytes).
                 chunks = _share_chunks(
                     [_unpack(h["ranges"]) for h in hellos],
-                    chunk_bytes=self.chunk_bytes,
+                    chunk_bytes=max(1, self.chunk_bytes - 1),
                     gap=self.options.coalesce_gap,
                 )
                 mine = [k for k, c in enumerate(chunks) if c.owner == rank]
@@ -871,8 +874,8 @@ class _Session:
                         torch.empty(size, dtype=torch.uint8, device=self.comm_device)
                         for _ in range(nbuf)
                     ]
-                # What is held: torch pins a power of two (a chunk of 16 MiB and its status
-                # byte take 32 MiB of pinned memory); the device buffers are as asked.
+                # What is held: torch pins a power of two (chunk_bytes, unless one chunk
+                # is smaller); the device buffers are as asked.
                 held = pinned_bytes(size) if pin else size
                 self.slabs._staging_budget = nbuf * (held + (size if self.comm_cuda else 0))
                 self.slabs._staging_peak = self.slabs._staging_budget
@@ -1181,7 +1184,8 @@ async def load(
 
     ``share_reads``: read each needed byte range from storage exactly once in the group;
     ranges several ranks need travel by ``dist.broadcast`` in chunks of at most
-    ``chunk_bytes``, through two staging buffers per rank (on the GPU too under NCCL). A
+    ``chunk_bytes`` (payload and a status byte), through two staging buffers per rank (on
+    the GPU too under NCCL). A
     set-up ``all_gather_object`` after the pre-flight says whether every rank allocated
     them (and set up the rest); if not, every rank fails there, before the first chunk.
     Without ``share_reads``, every rank reads its own plan with the ordinary loader and
