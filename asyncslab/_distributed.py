@@ -1185,9 +1185,9 @@ async def load(
     ``share_reads``: read each needed byte range from storage exactly once in the group;
     ranges several ranks need travel by ``dist.broadcast`` in chunks of at most
     ``chunk_bytes`` (payload and a status byte), through two staging buffers per rank (on
-    the GPU too under NCCL). A
-    set-up ``all_gather_object`` after the pre-flight says whether every rank allocated
-    them (and set up the rest); if not, every rank fails there, before the first chunk.
+    the GPU too under NCCL). A set-up ``all_gather_object`` after the pre-flight says
+    whether every rank allocated them (and set up the rest); if not, every rank fails
+    there, before the first chunk.
     Without ``share_reads``, every rank reads its own plan with the ordinary loader and
     ``options``.
 
