@@ -611,6 +611,27 @@ async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any
 SCENARIOS["into-dropped"] = _into_dropped
 
 
+async def _cuda_slabs(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Ranks loading into CUDA slabs over gloo (both on one GPU): the shared reads' chunk
+    buffers are pinned and copied to the device; every slot checked against safetensors."""
+    ckpt = _open(root, "replicated")
+    plan = distributed.rank_plan(ckpt, mode="replicated")
+    for share in (False, True):
+        loaded = await distributed.load(
+            ckpt, plan, share_reads=share, device="cuda", chunk_bytes=SHARE_CHUNK
+        )
+        async with loaded:
+            slabs = loaded.slabs
+            result[f"share={share}"] = {
+                "device": {slabs.slab(n).device.type for n in plan.slabs} == {"cuda"},
+                "staging_budget": slabs.statistics().staging_budget,
+                **_verify(slabs, ckpt),
+            }
+
+
+SCENARIOS["cuda-slabs"] = _cuda_slabs
+
+
 #: A process-group timeout the tests below must never wait for (their own is shorter).
 NEVER_PG_TIMEOUT = 60.0
 
@@ -1210,6 +1231,25 @@ def test_a_shared_load_past_its_timeout_fails_the_others_in_step(
     expected = f"distributed load failed on rank 1 of 2: load timed out after {deadline} s"
     assert expected in got["message"], got
     assert got["cause"] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_shared_and_own_loads_into_cuda_slabs_are_bit_identical(
+    tmp_path: Path, checkpoints2: Path
+) -> None:
+    results = _spawn(tmp_path, 2, "cuda-slabs", checkpoints2, wait=100)
+    for r in results:
+        assert r is not None
+        for share in (False, True):
+            got = r[f"share={share}"]
+            assert got["device"], (r["rank"], share)
+            assert got["mismatched"] == [], (r["rank"], share)
+            assert got["checked"] > 0
+        # Pinned chunk buffers hold a power of two: chunk_bytes, the status byte included.
+        assert r["share=True"]["staging_budget"] == 2 * SHARE_CHUNK
+    assert results[0]["share=True"]["digest"] == results[0]["share=False"]["digest"]
 
 
 @pytest.mark.timeout(60)
