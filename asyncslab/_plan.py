@@ -491,13 +491,20 @@ def _valid_columns(
     infos = list(map(tensors.__getitem__, map(_TENSOR, routes)))
     if list(map(_DTYPE, infos)) != list(map(_DTYPE, specs)):
         return False
-    shapes = [
-        info.shape if shape is None else shape
-        for shape, info in zip(map(_SHAPE, routes), infos, strict=True)
-    ]
+    route_shapes = list(map(_SHAPE, routes))
+    whole = route_shapes.count(None) == len(route_shapes)  # no route carries a slice
+    if whole:
+        shapes = list(map(_SHAPE, infos))
+    else:
+        shapes = [
+            info.shape if shape is None else shape
+            for shape, info in zip(route_shapes, infos, strict=True)
+        ]
     if shapes != list(map(_ITEM_SHAPE, specs)):
         return False
     # Slot sizes and counts per distinct shape, not per slab (properties, computed per call).
+    # From the specs, not the tensors' sizes: the loader writes a route's nbytes into its
+    # slot, which must hold them whatever made the tensor's info.
     kinds = list(zip(map(_ITEM_SHAPE, specs), map(_DTYPE, specs), strict=True))
     size = {k: math.prod(k[0]) * k[1].itemsize for k in set(kinds)}
     if list(map(_NBYTES, routes)) != list(map(size.__getitem__, kinds)):
@@ -524,6 +531,10 @@ def _valid_columns(
     # slot (a slot outside the slab's dims would take the place of one left empty).
     dims = list(map(_SLOT_DIMS, slabs.values()))
     n_slots = {d: math.prod(d) for d in set(dims)}
+    if set(n_slots.values()) <= {1}:
+        # Slabs of one slot each (a dense checkpoint's): one route into each, that is as
+        # many routes as slabs, into as many distinct slabs (each one of them, checked above).
+        return len(names) == len(slabs) and len(set(names)) == len(names)
     counts = Counter(names)
     if list(map(counts.__getitem__, slabs)) != list(map(n_slots.__getitem__, dims)):
         return False
