@@ -554,6 +554,26 @@ def test_tiered_moe_refuses_absurd_numbers_by_name(tmp_path: Path, name: str, wh
     assert caught.value.tensor == name
 
 
+def test_slabs_of_one_slot_each_need_one_route_each(tmp_path: Path) -> None:
+    """In a plan of one-slot slabs (a dense checkpoint's), as many routes as slabs is not
+    enough: two into one slab leave another empty."""
+    save_file({f"w.{i}": torch.full((4,), float(i)) for i in range(3)}, tmp_path / "m.safetensors")
+    ck = Checkpoint.open(tmp_path)
+
+    class Crossed:
+        def claim(self, checkpoint: Checkpoint, pending: Any) -> Claim:
+            specs = [SlabSpec(f"s.{i}", "u", torch.float32, (), (4,)) for i in range(3)]
+            targets = [specs[0], specs[0], specs[2]]  # s.1 gets none, s.0 two
+            routes = tuple(
+                make_route(pending[f"w.{i}"], spec, ()) for i, spec in enumerate(targets)
+            )
+            return Claim(slabs=tuple(specs), routes=routes)
+
+    with pytest.raises(CoverageError, match=r"already taken by 'w\.0'") as info:
+        plan(ck, [Crossed()])
+    assert info.value.tensor == "w.1"
+
+
 def test_a_custom_rule_with_list_dims_is_judged_by_the_route_checker(tmp_path: Path) -> None:
     """Rules are user code: a slab spec whose dims are lists (unhashable) must plan as it
     did before column checks, not fail with a TypeError from hashing them."""
