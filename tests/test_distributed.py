@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import pickle
 import random
-import sys
 import threading
 import time
 import traceback
@@ -638,15 +637,7 @@ NEVER_PG_TIMEOUT = 60.0
 
 def _out_of_memory_then_stuck() -> None:
     """From now on no staging buffer of a shared load can be allocated; then never return."""
-    real = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        # (Its caller's caller before Python 3.12, whose list comprehensions are frames.)
-        if "staging" in (sys._getframe(1).f_code.co_name, sys._getframe(2).f_code.co_name):
-            raise RuntimeError("out of memory (injected)")
-        return real(*args, **kwargs)
-
-    torch.empty = empty  # type: ignore[assignment]
+    _refuse_pinned_staging()
     time.sleep(3600)
 
 
