@@ -775,16 +775,6 @@ class _Session:
         comm = host
         routes: _RouteIndex | None = None
 
-        def staging() -> list[torch.Tensor]:
-            try:
-                return [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
-            except (RuntimeError, MemoryError) as err:
-                raise LoadError(
-                    f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
-                    f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
-                    rank=rank,
-                ) from err
-
         cond = threading.Condition()
         # "left": the protocol stopped waiting for the reader (this rank aborted while one of
         # its reads was in flight); the reader then closes the files when it returns.
@@ -868,7 +858,16 @@ class _Session:
                 mine = [k for k, c in enumerate(chunks) if c.owner == rank]
                 relevant = [c for c in chunks if c.shared or c.owner == rank]
                 size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
-                host[:] = staging()
+                try:
+                    host[:] = [
+                        torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)
+                    ]
+                except (RuntimeError, MemoryError) as err:
+                    raise LoadError(
+                        f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
+                        f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
+                        rank=rank,
+                    ) from err
                 if self.comm_cuda:
                     comm = [
                         torch.empty(size, dtype=torch.uint8, device=self.comm_device)

@@ -697,14 +697,11 @@ class Checkpoint:
     def _open(cls, path: Path) -> Checkpoint:
         index: _Index | None = None
         index_files: dict[str, Path] = {}
+        index_path: Path | None = None
+        paths: list[Path] = []
         if path.is_dir():
-            root = path
-            index_path = _find_index(root)
-            if index_path is not None:
-                index = _read_index(index_path)
-                index_files = _index_files(root, index)
-                paths = list(index_files.values())
-            else:
+            root, index_path = path, _find_index(path)
+            if index_path is None:
                 found = sorted(root.glob("*.safetensors"))
                 paths = [_check_inside(root, p.name, None) for p in found]
                 if not paths:
@@ -712,10 +709,7 @@ class Checkpoint:
         elif path.name.endswith(INDEX_SUFFIX):
             if not path.exists():
                 raise MissingFileError("file does not exist", file=path)
-            root = path.parent
-            index = _read_index(path)
-            index_files = _index_files(root, index)
-            paths = list(index_files.values())
+            root, index_path = path.parent, path
         elif path.name.endswith(".json") and path.is_file():
             # A tier map or config passed by mistake: read as a shard, its first bytes made
             # an absurd header length.
@@ -727,6 +721,10 @@ class Checkpoint:
         else:
             root = path.parent
             paths = [path]
+        if index_path is not None:
+            index = _read_index(index_path)
+            index_files = _index_files(root, index)
+            paths = list(index_files.values())
 
         files: list[ShardFile] = []
         per_file: list[list[TensorInfo]] = []
@@ -746,7 +744,6 @@ class Checkpoint:
             _raise_duplicate(files, per_file)
         if index is not None:
             _check_index_matches(index, index_files, per_file, tensors)
-        index_path = index.path if index is not None else None
         return cls(root, tuple(files), MappingProxyType(tensors), index_path)
 
     def __len__(self) -> int:

@@ -45,7 +45,7 @@ from ._mapped import PAGE, CudaRegistry, Mappings, PopulateRegistry, Registry, t
 from ._plan import Plan
 from ._read import IoPool, ReadFeed, Scatter, retrieve
 from ._schedule import ReadOp, Schedule, schedule, windows
-from ._staging import StagingBuffers
+from ._staging import StagingBuffers, staging_budget
 from ._tracker import Tracker
 
 __all__ = ["LoadOptions", "LoadStatistics", "SlabSet", "load"]
@@ -654,9 +654,9 @@ class SlabSet:
         transfer = _transfer(options.transfer, self.device)
         direct = transfer == "direct"
         # A staged read fills one staging buffer: no larger than the buffer as allocated
-        # (pinned ones are rounded down, see _staging_budget); a mapped read's window is
+        # (pinned ones are rounded down, see staging_budget); a mapped read's window is
         # the buffer size asked, as no buffer is made.
-        budget = _staging_budget(options.staging_bytes, options.staging_buffers, cuda)
+        budget = staging_budget(options.staging_bytes, options.staging_buffers, cuda)
         if direct:
             read_size = options.read_size
         elif transfer == "staged":
@@ -1365,16 +1365,6 @@ async def _uncancellable(awaitable: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
-
-
-def _staging_budget(budget: int, buffers: int, pinned: bool) -> int:
-    """The bytes the staging buffers really take: pinned ones a power of two each, rounded
-    down. torch's pinned-memory allocator rounds each block up to a power of two (and keeps
-    it for reuse), so 8 buffers of 48 MiB would pin 512 MiB of a 384 MiB budget."""
-    size = budget // buffers
-    if pinned:
-        size = 1 << (size.bit_length() - 1)
-    return size * buffers
 
 
 def _staging_buffer(size: int, pin: bool) -> torch.Tensor:

@@ -235,7 +235,12 @@ class TieredMoE:
         lacking = sorted({"prefix", "layer", "expert", "proj", "suffix"} - regex.groupindex.keys())
         if lacking:
             raise PlanError(f"TieredMoE pattern {self.pattern!r} lacks the named groups {lacking}")
-        shard_of = {p: (f, i) for f, projs in self.fusion.items() for i, p in enumerate(projs)}
+        # Each projection's fused slab, its shard there, and whether it is fused at all.
+        shard_of = {
+            p: (f, i, len(projs) == 1)
+            for f, projs in self.fusion.items()
+            for i, p in enumerate(projs)
+        }
         by_layer: dict[int, list[_Expert]] = defaultdict(list)
         sliced = "rank" in regex.groupindex
         for name, info in pending.items():
@@ -305,7 +310,7 @@ class TieredMoE:
             if not own[layer]:  # an expert-parallel rank that owns none of this layer
                 continue
             partition, layer_slabs, layer_routes = self._plan_layer(
-                layer, own[layer], checked, extent[layer]
+                layer, own[layer], checked, extent[layer], shard_of
             )
             partitions[layer] = partition
             slabs.extend(layer_slabs)
@@ -441,7 +446,12 @@ class TieredMoE:
             raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
 
     def _plan_layer(
-        self, layer: int, items: list[_Expert], checked: list[str], extent: int
+        self,
+        layer: int,
+        items: list[_Expert],
+        checked: list[str],
+        extent: int,
+        shard_of: Mapping[str, tuple[str, int, bool]],
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
         prefixes = sorted({t.prefix for t in items})
         if len(prefixes) > 1:
@@ -461,12 +471,6 @@ class TieredMoE:
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
         placed = defaultdict(list)
         present: set[tuple[int, str, str]] = set()
-        # Each projection's fused slab, its shard there, and whether it is fused at all.
-        shard_of = {
-            p: (f, i, len(projs) == 1)
-            for f, projs in self.fusion.items()
-            for i, p in enumerate(projs)
-        }
         expert_major = self.layout == "expert_major"
         for t in items:
             if t.suffix in self.markers:

@@ -85,9 +85,14 @@ class SlabSpec:
         """Byte offset of ``slot`` within the backing."""
         linear = _linear(slot, self.slot_dims)
         if linear < 0:
-            hint = " (a slot is a tuple of ints)" if any(type(i) is not int for i in slot) else ""
+            hint = _not_ints(slot)
             raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}{hint}")
         return linear * self.slot_nbytes if linear else 0
+
+
+def _not_ints(slot: tuple[int, ...]) -> str:
+    """What to add to a message about ``slot`` when its indices are not all ints."""
+    return " (a slot is a tuple of ints)" if any(type(i) is not int for i in slot) else ""
 
 
 def _linear(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
@@ -592,10 +597,9 @@ def _validate(
         try:
             start = spec.slot_offset(route.slot)
         except PlanError:
-            not_ints = any(type(i) is not int for i in route.slot)
             raise CoverageError(
                 f"lands in slot {route.slot}, outside slab {route.slab!r} of slots "
-                f"{spec.slot_dims}{' (a slot is a tuple of ints)' if not_ints else ''}",
+                f"{spec.slot_dims}{_not_ints(route.slot)}",
                 file=info.file,
                 tensor=info.name,
                 slab=route.slab,

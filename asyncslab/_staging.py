@@ -21,13 +21,23 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StagingBuffers", "StagingStatistics", "pinned_bytes"]
+__all__ = ["StagingBuffers", "StagingStatistics", "pinned_bytes", "staging_budget"]
 
 
 def pinned_bytes(size: int) -> int:
     """The pinned memory ``torch.empty(size, pin_memory=True)`` holds: torch's pinned-memory
     allocator rounds each block up to a power of two (and keeps it for reuse when freed)."""
     return 1 << (size - 1).bit_length() if size > 0 else 0
+
+
+def staging_budget(budget: int, buffers: int, pinned: bool) -> int:
+    """The bytes the staging buffers really take: pinned ones a power of two each, rounded
+    down, so that what torch pins (see :func:`pinned_bytes`) stays within the budget: 8
+    buffers of 48 MiB would pin 512 MiB of a 384 MiB budget."""
+    size = budget // buffers
+    if pinned:
+        size = 1 << (size.bit_length() - 1)
+    return size * buffers
 
 
 @dataclass(frozen=True, slots=True)

@@ -548,14 +548,14 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
 async def test_staged_reads_fit_buffers_rounded_down_as_pinned_ones_are(
     moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Pinned staging buffers are a power of two each, rounded down (see _staging_budget):
+    """Pinned staging buffers are a power of two each, rounded down (see staging_budget):
     the reads must be cut to the buffer as made, not to the size asked, or they would run
     past its end. On the CPU, with the rounding a CUDA target gets."""
     from asyncslab import _loader
 
-    real = _loader._staging_budget
+    real = _loader.staging_budget
     monkeypatch.setattr(
-        _loader, "_staging_budget", lambda budget, buffers, pinned: real(budget, buffers, True)
+        _loader, "staging_budget", lambda budget, buffers, pinned: real(budget, buffers, True)
     )
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)

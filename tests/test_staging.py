@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-from asyncslab._loader import _staging_budget
-from asyncslab._staging import StagingBuffers, StagingStatistics, pinned_bytes
+from asyncslab._staging import StagingBuffers, StagingStatistics, pinned_bytes, staging_budget
 
 
 def test_staging_buffers_one_per_thread_made_when_first_used() -> None:
@@ -87,7 +86,7 @@ def test_pinned_staging_is_sized_as_torch_pins_it(
     """torch's pinned-memory allocator rounds each block up to a power of two: the buffers
     are rounded down to one, so that the budget reported is what is pinned, within the
     budget asked."""
-    got = _staging_budget(budget, buffers, pinned)
+    got = staging_budget(budget, buffers, pinned)
     assert got == expected
     size = got // buffers
     assert got <= budget
