@@ -17,22 +17,24 @@ What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 2
    does (read into a pinned buffer of their own, copy it to the device, wait for the copy)
    with no event loop or bookkeeping, one buffer per thread as asyncslab has, and two, so
    that a thread reads into one while the other's copy is in flight;
-4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times, then
-   ``--mapped-runs`` times with ``transfer='mapped'`` (each read's pages registered with CUDA
-   and copied from in place: no staging copy) and once per ``--mapped-sweep`` threads x
-   window size, then once per ``--streams`` value and per ``--staging`` buffer count, once
-   per ``--blocking`` buffer count with copy waits that sleep instead of spinning a core,
-   then once more with the defaults (drift over the run). Before each, torch's cache of
-   pinned blocks is emptied, so that every staged load pins its own buffers, as a server's
-   first load does (the ``pinned_cache_emptied`` field says whether this torch could); the
-   old path (every per-expert tensor
-   moved to the device on its own and kept, then ``torch.stack`` per slab on the device)
-   ``--old-runs`` times;
+4. load with asyncslab (``device='cuda'``, default options) ``--runs`` times; with the old
+   path (every per-expert tensor moved to the device on its own and kept, then
+   ``torch.stack`` per slab on the device) ``--old-runs`` times; then ``--mapped-runs``
+   times with ``transfer='mapped'`` (each read's pages registered with CUDA and copied from
+   in place: no staging copy) — after the rows known to work, in case registering breaks
+   something. Then the optional rows, each skipped once the run is past ``--time-budget``
+   seconds: once per ``--streams`` value and per ``--staging`` buffer count, once per
+   ``--blocking`` buffer count with copy waits that sleep instead of spinning a core, once
+   per ``--mapped-sweep`` threads x window size, then once more with the defaults (drift
+   over the run). Before each load, torch's cache of pinned blocks is emptied, so that every
+   staged load pins its own buffers, as a server's first load does (the
+   ``pinned_cache_emptied`` field says whether this torch could). A row that fails is
+   reported (``errors``) and the run goes on;
 5. last (a failed registration may leave an error in the CUDA runtime), unless
-   ``--no-mapped``: the mapped DMA bound — every shard mapped read-only and registered with
-   CUDA (its page cache pages pinned in place), tensors copied straight from the mappings,
-   no host copy at all; it says whether a design without staging could pass the host bound,
-   registration included;
+   ``--no-mapped`` or past the time budget: the mapped DMA bound — every shard mapped
+   read-only and registered with CUDA (its page cache pages pinned in place), tensors
+   copied straight from the mappings, no host copy at all; it says whether a design without
+   staging could pass the host bound, registration included;
 6. check a sample of tensors byte for byte against ``safetensors`` ``get_tensor``;
 7. print one table, and write the report as JSON to ``--json FILE`` when given.
 
@@ -56,7 +58,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mapped",
         action="store_true",
         help="skip the mapped DMA bound (shards registered with CUDA, no host copy; run last)",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=240.0,
+        help="seconds from the start after which the optional rows (sweeps, the last "
+        "default load, the mapped DMA bound) are skipped, so that a slow new path cannot "
+        "push the run past its time limit (default 240)",
     )
     p.add_argument("--reps", type=int, default=7, help="H2D copy repetitions")
     p.add_argument("--verify", type=int, default=64, help="tensors compared per contender")
@@ -368,7 +378,10 @@ def empty_pinned_cache(torch: Any) -> bool:
     for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
         empty = getattr(torch._C, name, None)
         if empty is not None:
-            empty()
+            try:
+                empty()
+            except Exception:  # noqa: BLE001 - a torch without an accelerator, say: the load
+                continue  # still runs, and its row says its cache was not emptied
             return True
     return False
 
@@ -447,13 +460,13 @@ def load_asyncslab(
 
     try:
         import uvloop
-
+    except ImportError:  # only the import: an ImportError inside a load is that load's
+        asyncio.run(main())
+        out["loop"] = "asyncio"
+    else:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             runner.run(main())
         out["loop"] = "uvloop"
-    except ImportError:
-        asyncio.run(main())
-        out["loop"] = "asyncio"
     out["streams"] = options.streams
     out["buffers"] = options.staging_buffers  # = its I/O threads
     out["transfer"] = transfer
@@ -554,10 +567,48 @@ def main(argv: list[str] | None = None) -> int:
     report["h2d"] = h2d
     _log(f"pinned H2D: {h2d['gbps']:.2f} GB/s")
 
+    errors: list[dict[str, str]] = []
+    skipped: list[str] = []
+    rows: list[dict[str, Any]] = []
+
+    def save_partial() -> None:
+        if args.json is not None:
+            # Rewritten after every row: a run that dies later (a CUDA context broken by a
+            # new path, the command's time limit) keeps what it measured.
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            partial = {**report, "rows": rows, "partial": True}
+            args.json.write_text(json.dumps(partial, indent=1, default=str))
+
+    def attempt(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """``fn()``, or None once it failed: the error is reported and the run goes on, so
+        that one failing row (a path never run on this machine) leaves the others."""
+        try:
+            return fn()
+        except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
+            errors.append({"name": name, "error": f"{type(err).__name__}: {err}"})
+            report["errors"] = errors
+            _log(f"{name} failed: {errors[-1]['error']}")
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
+            save_partial()
+            return None
+
+    def in_time(name: str) -> bool:
+        """Whether an optional row still fits the time budget; the ones that do not are
+        listed in the report."""
+        if time.perf_counter() - t_all <= args.time_budget:
+            return True
+        skipped.append(name)
+        report["skipped_for_time"] = skipped
+        _log(f"{name} skipped: past --time-budget {args.time_budget:.0f} s")
+        return False
+
     read_bytes = asyncslab.LoadOptions().staging_bytes // asyncslab.LoadOptions().staging_buffers
     bounds = []
     for n in [int(x) for x in args.host_threads.split(",") if x.strip()]:
-        b = host_bound(torch, plan, n, read_bytes)
+        b = attempt(f"host bound {n}", lambda n=n: host_bound(torch, plan, n, read_bytes))
+        if b is None:
+            continue
         b["gbps"] = b["bytes"] / b["seconds"] / 1e9
         bounds.append(b)
         _log(
@@ -570,16 +621,21 @@ def main(argv: list[str] | None = None) -> int:
     pipelines = []
     for spec in [x for x in args.pipeline.split(",") if x.strip()]:
         threads, depth = (int(v) for v in spec.lower().split("x"))
-        pb = pipeline_bound(torch, plan, device, threads, depth, read_bytes, args.verify)
+        pb = attempt(
+            f"pipeline bound {spec}",
+            lambda t=threads, d=depth: pipeline_bound(
+                torch, plan, device, t, d, read_bytes, args.verify
+            ),
+        )
         torch.cuda.empty_cache()  # its device allocation, before the loads measure theirs
+        if pb is None:
+            continue
         pipelines.append(pb)
         _log(
             f"pipeline bound, {threads} threads x {depth} buffers: {pb['seconds']:.3f} s, "
             f"{pb['gbps']:.2f} GB/s"
         )
     report["pipeline_bound"] = pipelines
-
-    rows: list[dict[str, Any]] = []
 
     def record(name: str, rec: dict[str, Any]) -> None:
         rec["name"] = name
@@ -604,84 +660,71 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: {rec['seconds']:.3f} s, {rec['gbps']:.2f} GB/s "
             f"({rec['of_h2d'] * 100:.0f} % of H2D), peak +{rec['peak_bytes'] / GiB:.2f} GiB"
         )
-        if args.json is not None:
-            # Rewritten after every row: a run that dies later (a CUDA context broken by a
-            # new path, the command's time limit) keeps what it measured.
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            partial = {**report, "rows": rows, "partial": True}
-            args.json.write_text(json.dumps(partial, indent=1, default=str))
+        save_partial()
 
-    for i in range(args.runs):
-        record(
-            f"asyncslab (default) #{i + 1}",
-            load_asyncslab(torch, ckpt, plan, device, None, args.verify),
+    def row(name: str, streams: int | None = None, **kw: Any) -> bool:
+        """One asyncslab load, recorded as ``name``; False if it failed (reported)."""
+        rec = attempt(
+            name, lambda: load_asyncslab(torch, ckpt, plan, device, streams, args.verify, **kw)
         )
+        if rec is not None:
+            record(name, rec)
+        return rec is not None
 
-    def mapped(name: str, threads: int | None = None, window: int | None = None) -> bool:
-        """One mapped load, recorded as ``name``; False once one failed (read-only
-        registration unsupported, say): reported, and the rest of the run goes on."""
-        try:
-            rec = load_asyncslab(
-                torch, ckpt, plan, device, None, args.verify, buffers=threads,
-                transfer="mapped", buffer_bytes=window,
-            )  # fmt: skip
-        except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
-            report["mapped_load_error"] = f"{name}: {type(err).__name__}: {err}"
-            _log(f"{name} failed: {report['mapped_load_error']}")
-            torch.cuda.empty_cache()
-            return False
-        record(name, rec)
-        return True
-
+    # The rows that answer the goal come first; the sweeps after them are skipped once the
+    # run is past its time budget. The mapped loads, never run on a GPU yet, come after the
+    # defaults and the old path, which are known to work: if registering pages breaks
+    # something, what is known is measured already.
+    for i in range(args.runs):
+        row(f"asyncslab (default) #{i + 1}")
+    for i in range(args.old_runs):
+        free, _ = torch.cuda.mem_get_info(device)
+        if free < 2.2 * slab_bytes:
+            _log(f"old path skipped: needs ~{2 * slab_bytes / GiB:.1f} GiB of device memory")
+            break
+        name = f"old-path #{i + 1}"
+        rec = attempt(name, lambda: load_old_path(torch, ckpt, plan, device, args.verify))
+        if rec is not None:
+            record(name, rec)
     # Mapped: each read's pages registered with CUDA and copied from in place, no host copy.
-    ok = all(mapped(f"asyncslab mapped #{i + 1}") for i in range(args.mapped_runs))
+    # After a failed one (read-only registration unsupported, say) the others would fail
+    # alike: they are not tried.
+    ok = all(row(f"asyncslab mapped #{i + 1}", transfer="mapped") for i in range(args.mapped_runs))
+    for streams in [int(x) for x in args.streams.split(",") if x.strip()]:
+        if in_time(name := f"asyncslab streams={streams}"):
+            row(name, streams=streams)
+    for n in [int(x) for x in args.staging.split(",") if x.strip()]:
+        if in_time(name := f"asyncslab {n} buffers"):
+            row(name, buffers=n)
+    # Waiting for each copy with a sleeping event rather than a spinning one: with more
+    # I/O threads than free cores, spinning takes CPU from the reads.
+    for n in [int(x) for x in args.blocking.split(",") if x.strip()]:
+        if in_time(name := f"asyncslab {n} buffers, blocking events"):
+            row(name, buffers=n, blocking=True)
     # Window size and threads: registering costs per call and per page, so the window sets
     # how often the fixed part is paid, the threads how many registrations overlap copies.
     for spec in [x for x in args.mapped_sweep.split(",") if x.strip()]:
         if not ok or args.mapped_runs == 0:
             break
         threads, mib = (int(v) for v in spec.lower().split("x"))
-        ok = mapped(f"asyncslab mapped {threads}x{mib} MiB", threads, mib * MiB)
-    for streams in [int(x) for x in args.streams.split(",") if x.strip()]:
-        record(
-            f"asyncslab streams={streams}",
-            load_asyncslab(torch, ckpt, plan, device, streams, args.verify),
-        )
-    for n in [int(x) for x in args.staging.split(",") if x.strip()]:
-        record(
-            f"asyncslab {n} buffers",
-            load_asyncslab(torch, ckpt, plan, device, None, args.verify, buffers=n),
-        )
-    # Waiting for each copy with a sleeping event rather than a spinning one: with more
-    # I/O threads than free cores, spinning takes CPU from the reads.
-    for n in [int(x) for x in args.blocking.split(",") if x.strip()]:
-        record(
-            f"asyncslab {n} buffers, blocking events",
-            load_asyncslab(torch, ckpt, plan, device, None, args.verify, buffers=n, blocking=True),
-        )
+        if in_time(name := f"asyncslab mapped {threads}x{mib} MiB"):
+            ok = row(name, transfer="mapped", buffers=threads, buffer_bytes=mib * MiB)
     # The defaults once more: drift over the run, told apart from what the sweeps changed.
-    record(
-        "asyncslab default, at the end",
-        load_asyncslab(torch, ckpt, plan, device, None, args.verify),
-    )
-    for i in range(args.old_runs):
-        free, _ = torch.cuda.mem_get_info(device)
-        if free < 2.2 * slab_bytes:
-            _log(f"old path skipped: needs ~{2 * slab_bytes / GiB:.1f} GiB of device memory")
-            break
-        record(f"old-path #{i + 1}", load_old_path(torch, ckpt, plan, device, args.verify))
+    if in_time(name := "asyncslab default, at the end"):
+        row(name)
 
     report["rows"] = rows
     # Last: a failed registration may leave an error behind in the CUDA runtime.
-    mapped: dict[str, Any] | None = None
-    if not args.no_mapped:
+    dma: dict[str, Any] | None = None
+    if not args.no_mapped and in_time("mapped DMA bound"):
         try:
-            mapped = mapped_dma_bound(torch, plan, device, args.verify)
+            dma = mapped_dma_bound(torch, plan, device, args.verify)
         except Exception as err:  # noqa: BLE001 - reported, the rest of the report stands
-            mapped = {"error": f"{type(err).__name__}: {err}"}
-        torch.cuda.empty_cache()
-        _log(f"mapped DMA bound: {mapped}")
-        report["mapped_dma"] = mapped
+            dma = {"error": f"{type(err).__name__}: {err}"}
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+        _log(f"mapped DMA bound: {dma}")
+        report["mapped_dma"] = dma
     default = [r for r in rows if r["name"].startswith("asyncslab (default)")]
     med_s = statistics.median(r["seconds"] for r in default) if default else None
     targets = []
@@ -739,29 +782,31 @@ def main(argv: list[str] | None = None) -> int:
         "mapped DMA bound (shards registered read-only with CUDA, copied with no host copy): "
         + (
             "skipped"
-            if mapped is None
-            else mapped["error"]
-            if "error" in mapped
-            else f"{mapped['seconds']:.3f} s {mapped['gbps']:.2f} GB/s "
-            f"({mapped['gbps'] / h2d['gbps'] * 100:.0f} % of H2D; registering "
-            f"{mapped['register_s']:.3f} s, copies {mapped['copy_s']:.3f} s, "
-            f"{mapped['verified']} verified)"
+            if dma is None
+            else dma["error"]
+            if "error" in dma
+            else f"{dma['seconds']:.3f} s {dma['gbps']:.2f} GB/s "
+            f"({dma['gbps'] / h2d['gbps'] * 100:.0f} % of H2D; registering "
+            f"{dma['register_s']:.3f} s, copies {dma['copy_s']:.3f} s, "
+            f"{dma['verified']} verified)"
         ),
         "",
-        f"{'contender':<28}{'s':>8}{'GB/s':>8}{'of H2D':>8}{'of bound':>10}{'of pipe':>9}"
+        f"{'contender':<38}{'s':>8}{'GB/s':>8}{'of H2D':>8}{'of bound':>10}{'of pipe':>9}"
         f"{'peak GiB':>10}{'final GiB':>11}{'peak/slabs':>12}{'verified':>10}",
     ]
     for r in rows:
         lines.append(
-            f"{r['name']:<28}{r['seconds']:>8.3f}{r['gbps']:>8.2f}{r['of_h2d'] * 100:>7.0f}%"
+            f"{r['name']:<38}{r['seconds']:>8.3f}{r['gbps']:>8.2f}{r['of_h2d'] * 100:>7.0f}%"
             + (f"{r['of_bound'] * 100:>9.0f}%" if r["of_bound"] else f"{'-':>10}")
             + (f"{r['of_pipeline'] * 100:>8.0f}%" if r["of_pipeline"] else f"{'-':>9}")
             + f"{r['peak_bytes'] / GiB:>10.2f}{r['final_bytes'] / GiB:>11.2f}"
             f"{r['peak_bytes'] / slab_bytes:>12.3f}{r['verified']:>10}"
         )
     lines.append("")
-    if "mapped_load_error" in report:
-        lines.append(f"asyncslab mapped: {report['mapped_load_error']}")
+    for err in errors:
+        lines.append(f"FAILED  {err['name']}: {err['error']}")
+    if skipped:
+        lines.append(f"skipped (past --time-budget {args.time_budget:.0f} s): {', '.join(skipped)}")
     for tgt in targets:
         lines.append(f"{'PASS' if tgt['ok'] else 'MISS'}  {tgt['target']}: {tgt['measured']:.3f}")
     if "default_of_host_bound" in report:

@@ -33,5 +33,5 @@ python3 -c "import pytest_timeout" 2>/dev/null || echo "pytest-timeout missing: 
 timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda.py tests/test_load.py -q \
   tests/test_distributed.py::test_shared_and_own_loads_into_cuda_slabs_are_bit_identical \
   -p no:cacheprovider -rs 2>&1 | tee "$results/pytest_cuda.log"
-timeout -k 10 "${BENCH_TIMEOUT:-360}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
+timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"

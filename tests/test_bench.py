@@ -621,3 +621,74 @@ def test_the_leak_soak_runs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "verdict:" in out.stdout
+
+
+@pytest.mark.parametrize("budget", [600.0, 0.0])
+def test_gpu_bench_reports_a_failing_row_and_measures_the_rest(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    budget: float,
+) -> None:
+    """The GPU benchmark end to end on the CPU (torch's device calls stood in for): a row
+    that fails is reported and every row after it still runs, so that one new path failing
+    on a lent GPU does not cost the run; past ``--time-budget`` the optional rows and the
+    mapped DMA bound are skipped and listed, the rows that answer the goal still run."""
+    bench = _gpu_bench()
+    cuda = torch.cuda
+    for name, value in {
+        "is_available": lambda: True,
+        "get_device_name": lambda *_: "stand-in",
+        "mem_get_info": lambda *_: (1 << 40, 1 << 40),
+        "cudart": lambda: _NoCuda.Runtime,
+        "current_stream": lambda *_: _NoCuda.Sync(),
+        **{n: getattr(_NoCuda.cuda, n) for n in ("Stream", "Event", "device", "stream")},
+        **{n: getattr(_NoCuda.cuda, n) for n in ("synchronize", "empty_cache")},
+        **{n: getattr(_NoCuda.cuda, n) for n in ("reset_peak_memory_stats", "memory_allocated")},
+        **{n: getattr(_NoCuda.cuda, n) for n in ("max_memory_allocated", "max_memory_reserved")},
+    }.items():
+        monkeypatch.setattr(cuda, name, value)
+    real_empty = torch.empty
+
+    def unpinned(*shape: Any, pin_memory: bool = False, **kw: Any) -> torch.Tensor:
+        return real_empty(*shape, **kw)  # no pinning without CUDA
+
+    monkeypatch.setattr(torch, "empty", unpinned)
+    monkeypatch.setattr(bench, "h2d_bandwidth", lambda *_: {"gbps": 50.0, "median_s": 0.02})
+
+    def old_path_fails(*_: Any) -> dict[str, Any]:
+        raise RuntimeError("stand-in failure")
+
+    monkeypatch.setattr(bench, "load_old_path", old_path_fails)
+    _NoCuda.Runtime.registered, _NoCuda.Runtime.unregistered = [], []
+    _NoCuda.Runtime.fail_at = 0
+    report = tmp_path / "report.json"
+    argv = ["--device", "cpu", "--size", "16MiB", "--dir", str(tmp_path / "ckpt"), "--json",
+            str(report), "--gen-workers", "1", "--runs", "1", "--host-threads", "2",
+            "--pipeline", "2x1", "--streams", "1", "--staging", "2", "--blocking", "2",
+            "--mapped-runs", "1", "--mapped-sweep", "2x1", "--verify", "10000",
+            "--time-budget", str(budget)]  # fmt: skip
+    assert bench.main(argv) == 0
+    got = json.loads(report.read_text())
+    assert got["errors"] == [{"name": "old-path #1", "error": "RuntimeError: stand-in failure"}]
+    assert "FAILED  old-path #1: RuntimeError: stand-in failure" in capsys.readouterr().out
+    goal = ["asyncslab (default) #1", "asyncslab mapped #1"]
+    optional = [
+        "asyncslab streams=1",
+        "asyncslab 2 buffers",
+        "asyncslab 2 buffers, blocking events",
+        "asyncslab mapped 2x1 MiB",
+        "asyncslab default, at the end",
+    ]
+    tensors = got["tensors"]
+    assert all(r["verified"] == tensors for r in got["rows"])  # every tensor, every row
+    labels = [re.match(r"asyncslab \((\w+)", t["target"]) for t in got["targets"]]
+    assert sorted(m.group(1) for m in labels if m) == ["default"] * 2 + ["mapped"] * 2
+    if budget:
+        assert [r["name"] for r in got["rows"]] == goal + optional
+        assert "skipped_for_time" not in got
+        assert got["mapped_dma"]["verified"] == tensors
+    else:
+        assert [r["name"] for r in got["rows"]] == goal
+        assert got["skipped_for_time"] == [*optional, "mapped DMA bound"]
+        assert "mapped_dma" not in got
