@@ -468,6 +468,27 @@ _DTYPE = operator.attrgetter("dtype")
 _ITEM_SHAPE = operator.attrgetter("item_shape")
 _SLOT_DIMS = operator.attrgetter("slot_dims")
 _NAME = operator.attrgetter("name")
+_OFFSET = operator.attrgetter("offset")
+
+
+def _reads_its_tensor(route: Route, info: TensorInfo) -> bool:
+    """Whether ``route`` reads ``info``'s bytes: all of them, or whole rows of them (a
+    ``make_route(..., rows=...)`` slice). The loader reads what the route says; a route of
+    a custom rule that pointed elsewhere would fill its slot with another tensor's bytes,
+    or a header's, and the plan would still count as complete."""
+    if route.file != info.file:
+        return False
+    if route.shape is None:
+        return route.src_offset == info.offset and route.nbytes == info.nbytes
+    start, rows = route.slice_start, info.shape[0] if info.shape else 0
+    row_bytes = info.nbytes // rows if rows else 0
+    return (
+        tuple(route.shape[1:]) == info.shape[1:]  # a custom rule may give a list
+        and 0 <= start
+        and start + route.nbytes <= info.nbytes
+        and (start % row_bytes == 0 if row_bytes else start == 0)
+        and route.src_offset == info.offset + start
+    )
 
 
 def _valid(
@@ -506,6 +527,15 @@ def _valid_columns(
             for shape, info in zip(route_shapes, infos, strict=True)
         ]
     if shapes != list(map(_ITEM_SHAPE, specs)):
+        return False
+    # Each route reads its own tensor's bytes: files compared by identity first (a rule
+    # passes the tensor's own path on), offsets as a column for whole tensors.
+    if list(map(_FILE, routes)) != list(map(_FILE, infos)):
+        return False
+    if whole:
+        if list(map(_SRC_OFFSET, routes)) != list(map(_OFFSET, infos)):
+            return False
+    elif not all(map(_reads_its_tensor, routes, infos)):
         return False
     # Slot sizes and counts per distinct shape, not per slab (properties, computed per call).
     # From the specs, not the tensors' sizes: the loader writes a route's nbytes into its
@@ -590,6 +620,18 @@ def _validate(
                 layer=route.layer,
                 expert=route.expert,
                 shard=route.shard,
+            )
+        if not _reads_its_tensor(route, info):
+            end = route.src_offset + route.nbytes
+            what = "its bytes" if route.shape is None else "whole rows of it"
+            raise PlanError(
+                f"reads bytes [{route.src_offset}, {end}) of {route.file}, not {what}: the "
+                f"tensor lies at [{info.offset}, {info.offset + info.nbytes}) of {info.file} "
+                f"({route.describe()}; make routes with make_route)",
+                file=info.file,
+                tensor=info.name,
+                expected=(info.offset, info.offset + info.nbytes),
+                got=(route.src_offset, end),
             )
         # The loader writes at the route's byte offset, not its slot: a custom rule's route
         # whose offset disagrees with its slot, or whose slot lies outside the slab, would

@@ -8,6 +8,7 @@ each malformed checkpoint fails with a specific error naming what is wrong.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import io
 import itertools
 import json
@@ -40,6 +41,7 @@ from asyncslab import (
     TierMapError,
     UnmatchedTensorError,
     load_tier_map,
+    make_route,
     plan,
 )
 from asyncslab._synthetic import (
@@ -1171,3 +1173,140 @@ def test_a_rule_dtype_must_be_a_torch_dtype() -> None:
         Dense(dtypes={"x": "f16"})  # type: ignore[dict-item]
     Stack(r"w\.(?P<index>\d+)", dtype=torch.bfloat16)
     Dense(dtypes={"x": torch.float16})
+
+
+def test_stack_with_one_index_spelled_twice_and_another_missing(tmp_path: Path) -> None:
+    """Layer 1 missing and layer 2 present twice ("2" and "02"): as many routes as slots, but
+    two into slot (2,) and none into (1,). Accepted, slot 1 would be handed out as complete
+    holding uninitialised bytes; the plan must refuse the second route into slot (2,)."""
+    tensors = q_weights(4)
+    del tensors["model.layers.1.attn.q.weight"]
+    tensors["model.layers.02.attn.q.weight"] = torch.full((4, 4), 2.0)
+    ck = write(tmp_path / "ck", tensors)
+    with pytest.raises(CoverageError, match=r"slot \(2,\), already taken by") as info:
+        plan(ck, [STACK])
+    message = str(info.value)
+    assert "model.layers.2.attn.q.weight" in message
+    assert "model.layers.02.attn.q.weight" in message
+    assert info.value.details["slot"] == (2,)
+
+
+class _TwoSlabs:
+    """A rule of one's own: ``a.0``, ``a.1`` into slots (0,), (1,) of slab ``a`` and ``b.0``,
+    ``b.1`` into slots (0,), ``second`` of slab ``b`` (slab ``b``'s routes after ``a``'s)."""
+
+    def __init__(self, second: Any) -> None:
+        self.second = second
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        specs = {k: SlabSpec(k, "globals", torch.float32, (2,), (3,)) for k in "ab"}
+        routes = [make_route(pending[f"{k}.{i}"], specs[k], (i,)) for k in "ab" for i in (0, 1)]
+        # make_route refuses a float index: put it in afterwards, offset and all unchanged.
+        routes[-1] = dataclasses.replace(routes[-1], slot=(self.second,))
+        return Claim(slabs=tuple(specs.values()), routes=tuple(routes))
+
+
+def test_a_float_slot_is_refused_even_beside_the_equal_int_slot(tmp_path: Path) -> None:
+    """Slot (1.0,) of slab ``b`` equals slot (1,) of slab ``a`` as a key (same dims, same
+    byte offset): a plan that took it would let the loader and view() disagree on what slot
+    1.0 is. Everything else about the route is right (with slot (1,) the plan is accepted),
+    so the refusal can only be for the float."""
+    tensors = {
+        f"{k}.{i}": torch.full((3,), 10.0 * j + i) for j, k in enumerate("ab") for i in (0, 1)
+    }
+    ck = write(tmp_path / "ck", tensors)
+    ok = plan(ck, [_TwoSlabs(1)])
+    assert ok.where("b.1") == ("b", (1,))
+    with pytest.raises(
+        CoverageError, match=r"slot \(1\.0,\), outside slab 'b'.*tuple of ints"
+    ) as info:
+        plan(ck, [_TwoSlabs(1.0)])
+    assert info.value.tensor == "b.1"
+
+
+class _Rewired:
+    """A rule of one's own routing ``w`` and ``v`` (each (4, 3) float32) into one-slot slabs
+    of their own, or their rows 0..2 with ``rows``; ``change`` then rewrites ``v``'s route."""
+
+    def __init__(self, change: Callable[[Any, Mapping[str, TensorInfo]], Any], rows: bool) -> None:
+        self.change, self.rows = change, rows
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        shape = (2, 3) if self.rows else (4, 3)
+        specs = {k: SlabSpec(k, "globals", torch.float32, (), shape) for k in "wv"}
+        rows = (0, 2) if self.rows else None
+        routes = {k: make_route(pending[k], specs[k], (), rows=rows) for k in "wv"}
+        routes["v"] = self.change(routes["v"], checkpoint.tensors)
+        return Claim(slabs=tuple(specs.values()), routes=tuple(routes.values()))
+
+
+def _as_is(route: Any, pending: Mapping[str, TensorInfo]) -> Any:
+    return route
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["whole", "rows"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        # w's bytes (its offset, or its file too) under v's name
+        lambda r, t: dataclasses.replace(r, src_offset=t["w"].offset + r.slice_start),
+        # one element on: the last element of v's slot would be the next tensor's first
+        lambda r, t: dataclasses.replace(r, src_offset=r.src_offset + 4),
+        # another shard's bytes at the same offset
+        lambda r, t: dataclasses.replace(r, file=t["x"].file),
+    ],
+    ids=["another tensor", "shifted", "another file"],
+)
+def test_a_route_must_read_its_own_tensors_bytes(
+    tmp_path: Path, rows: bool, change: Callable[[Any, Mapping[str, TensorInfo]], Any]
+) -> None:
+    """The loader reads the bytes a route names. A custom rule's route that names another
+    tensor's bytes (or a header's, or another file's) would fill its slot with them, and
+    the plan would count as complete: the planner refuses it, naming the tensor and both
+    byte ranges, whoever made the route."""
+    w, v = torch.arange(12.0).reshape(4, 3), -torch.arange(12.0).reshape(4, 3)
+    ck = write(tmp_path / "ck", {"w": w, "v": v})
+    save_file({"x": torch.zeros(1)}, tmp_path / "ck" / "other.safetensors")
+    ck = Checkpoint.open(tmp_path / "ck")
+    assert ck.tensors["x"].file != ck.tensors["v"].file
+    ok = plan(ck, [_Rewired(_as_is, rows)], ignore=["x"])  # the same rule, unchanged: fine
+    assert ok.where("v") == ("v", ())
+    with pytest.raises(PlanError, match=r"tensor 'v': reads bytes \[\d+, \d+\) of ") as info:
+        plan(ck, [_Rewired(change, rows)], ignore=["x"])
+    info_v = ck.tensors["v"]
+    assert info.value.details["expected"] == (info_v.offset, info_v.offset + info_v.nbytes)
+    assert "make_route" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # half a row in: rows that straddle two of the tensor's rows
+        lambda r, t: dataclasses.replace(r, src_offset=r.src_offset + 6, slice_start=6),
+        # rows 3..5 of a tensor of 4 rows: the last row is past its end
+        lambda r, t: dataclasses.replace(r, src_offset=r.src_offset + 36, slice_start=36),
+        # rows of another width, same byte count
+        lambda r, t: dataclasses.replace(r, shape=(3, 2)),
+    ],
+    ids=["half a row in", "past the end", "other rows"],
+)
+def test_a_row_slice_must_be_whole_rows_of_its_tensor(
+    tmp_path: Path, change: Callable[[Any, Mapping[str, TensorInfo]], Any]
+) -> None:
+    """A sliced route carries rows of its tensor (``make_route(..., rows=...)``); one that
+    starts inside a row, runs past the tensor's end or reads rows of another width would
+    load bytes that are not those rows."""
+    w, v = torch.arange(12.0).reshape(4, 3), -torch.arange(12.0).reshape(4, 3)
+    ck = write(tmp_path / "ck", {"w": w, "v": v})
+
+    class Sliced(_Rewired):
+        def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+            claim = super().claim(checkpoint, pending)
+            if self.change is not _as_is and claim.routes[-1].shape == (3, 2):
+                specs = (claim.slabs[0], dataclasses.replace(claim.slabs[1], item_shape=(3, 2)))
+                return Claim(slabs=specs, routes=claim.routes)
+            return claim
+
+    assert plan(ck, [Sliced(_as_is, True)]).where("v") == ("v", ())
+    with pytest.raises(PlanError, match=r"tensor 'v': reads bytes .*, not whole rows of it"):
+        plan(ck, [Sliced(change, True)])
