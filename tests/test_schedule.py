@@ -8,16 +8,21 @@ read per window.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+import torch
+from helpers import assert_bit_identical, raw_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
-from asyncslab import Checkpoint, Plan, plan
+from asyncslab import Checkpoint, LoadOptions, Plan, load, plan
 from asyncslab._schedule import Schedule, schedule, windows
 
 
@@ -159,3 +164,105 @@ def test_windows_take_routes_in_any_order(tmp_path: Path) -> None:
     shuffled = SimpleNamespace(files=p.files, routes=[p.routes[i] for i in order])
     s = windows(shuffled, window=8)  # type: ignore[arg-type]
     check_windows(shuffled, s, 8)  # type: ignore[arg-type]
+
+
+# --- reads never span two files, never run backwards; limits are checked -------------------------
+
+
+def two_shards(directory: Path) -> Checkpoint:
+    """Shard ``a`` holds one 4-byte tensor; shard ``b``'s longer header puts its first tensor
+    at a file offset just past ``a``'s last byte: offsets are per file, so by offset alone
+    ``b``'s tensors look like ``a``'s neighbours."""
+    directory.mkdir(parents=True, exist_ok=True)
+    shards = {
+        "a.safetensors": {"a": torch.tensor([1.5])},
+        "b.safetensors": {
+            "b.first_tensor_of_the_second_shard": torch.arange(6.0),
+            "b.second_tensor_of_the_second_shard": torch.arange(8, dtype=torch.int16) - 3,
+        },
+    }
+    weight_map = {}
+    for name, tensors in shards.items():
+        save_file(tensors, str(directory / name))
+        weight_map.update(dict.fromkeys(tensors, name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return Checkpoint.open(directory)
+
+
+@pytest.mark.asyncio
+async def test_reads_never_run_from_one_shard_into_the_next(tmp_path: Path) -> None:
+    """Reads coalesce within a file only: merged across files, shard ``b``'s tensors would be
+    read from shard ``a``'s descriptor (past its end, or wrong bytes)."""
+    ck = two_shards(tmp_path / "ck")
+    p = plan(ck)
+    a, b = p.route("a"), p.route("b.first_tensor_of_the_second_shard")
+    gap = LoadOptions().coalesce_gap
+    # The situation guarded against: b's first tensor lies within ``gap`` after a's last byte.
+    assert a.file != b.file
+    assert 0 <= b.src_offset - (a.src_offset + a.nbytes) <= gap
+    s = schedule(p, max_read=LoadOptions().read_size, gap=gap)
+    check(p, s, LoadOptions().read_size, gap)  # every piece of a read is of the read's file
+    assert len(s.ops) == 2
+    for transfer in ("direct", "staged"):
+        async with await load(ck, p, options=LoadOptions(transfer=transfer)) as slabs:
+            assert assert_bit_identical(slabs, ck) == 3
+
+
+def overlapping(directory: Path) -> tuple[Plan, torch.Tensor]:
+    """A plan whose two routes overlap in the file: slab ``top`` takes rows 0-3 of ``w``,
+    slab ``bottom`` rows 2-5 (its route's bytes moved onto ``w``'s). plan() never makes such
+    routes, but a Plan is plain data, and schedule() and load() take it as given."""
+    w = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({"w": w, "v": torch.zeros(4, 4)}, str(directory / "m.safetensors"))
+    ck = Checkpoint.open(directory)
+    p = plan(ck)
+    top, bottom = p.route("w"), p.route("v")
+    row = w[0].nbytes
+    # Whole w into "top" would not fit its slot: rows 0-3 of it, rows 2-5 into "bottom".
+    top = dataclasses.replace(top, nbytes=4 * row, shape=(4, 4))
+    bottom = dataclasses.replace(bottom, src_offset=top.src_offset + 2 * row, shape=(4, 4))
+    slabs = {
+        "w": dataclasses.replace(p.slabs["w"], item_shape=(4, 4)),
+        "v": p.slabs["v"],
+    }
+    routes = tuple(sorted((top, bottom), key=lambda r: r.src_offset))
+    index = {r.tensor: i for i, r in enumerate(routes)}
+    return dataclasses.replace(p, slabs=slabs, routes=routes, _index=index), w
+
+
+def test_routes_overlapping_in_the_file_are_read_separately(tmp_path: Path) -> None:
+    """Two routes sharing bytes of the file are two reads (or one read per route), never one
+    read whose second piece starts before the first one ends: read front to back into its
+    pieces, that read would put the wrong bytes in the second slot, or none at all."""
+    p, _ = overlapping(tmp_path / "ck")
+    first, second = p.routes
+    assert second.src_offset < first.src_offset + first.nbytes  # the routes overlap
+    for gap in (0, 64):
+        s = schedule(p, max_read=1 << 20, gap=gap)
+        check(p, s, 1 << 20, gap)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transfer", ["direct", "staged"])
+async def test_routes_overlapping_in_the_file_load_their_own_bytes(
+    tmp_path: Path, transfer: str
+) -> None:
+    """Each of two overlapping routes lands its own rows: rows 0-3 of ``w`` in one slab,
+    rows 2-5 in the other (a shared read would fail, or shift the second slab's bytes)."""
+    p, w = overlapping(tmp_path / "ck")
+    ck = Checkpoint.open(tmp_path / "ck")
+    options = LoadOptions(transfer=transfer)  # type: ignore[arg-type]
+    async with await load(ck, p, options=options) as slabs:
+        assert torch.equal(raw_bytes(slabs.view("w")), raw_bytes(w[0:4]))
+        assert torch.equal(raw_bytes(slabs.view("v")), raw_bytes(w[2:6]))
+
+
+def test_a_read_size_of_zero_is_refused(tmp_path: Path) -> None:
+    """``max_read`` 0 (or less) is refused by name, not left to fail as range()'s "arg 3 must
+    not be zero" (or to loop) on the first tensor it would split."""
+    p = plan(checkpoint_of(tmp_path, [[4, 8]]))
+    for max_read in (0, -1):
+        with pytest.raises(ValueError, match=rf"^max_read must be positive, got {max_read}$"):
+            schedule(p, max_read=max_read, gap=0)
+    assert schedule(p, max_read=1, gap=0).bytes_read == 12
