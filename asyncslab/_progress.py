@@ -11,6 +11,7 @@ snapshots (the loader calls ``progress(stats)`` at most every 0.1 s and once at 
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
@@ -46,13 +47,16 @@ def format_bytes(n: float, *, unit_of: float | None = None) -> str:
 
 def format_duration(seconds: float | None) -> str:
     """``0.42`` -> ``"0.42s"``, ``75`` -> ``"1m15s"``, ``None`` -> ``"--"``."""
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "--"
-    if seconds < 10:
-        return f"{seconds:.2f}s"
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "--"  # an ETA at a rate of zero is as unknown as none
+    # The unit is chosen after rounding: 9.999 is "10s", 59.6 is "1m00s" (not "60s").
+    text = f"{seconds:.2f}"
+    if float(text) < 10:
+        return f"{text}s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
     if minutes < 60:
         return f"{minutes}m{secs:02d}s"
     hours, minutes = divmod(minutes, 60)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import io
 import itertools
 import math
 import threading
@@ -21,6 +22,7 @@ import pytest
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, LoadStatistics, SlabSet, plan
 from asyncslab import _copy as copy_module
+from asyncslab._progress import ProgressBar, format_duration
 from asyncslab._read import pread_scatter
 
 pytestmark = pytest.mark.timeout(60)
@@ -254,3 +256,194 @@ def test_an_interval_that_is_no_interval_is_refused(interval: float) -> None:
     # A negative one re-armed the timer at once, forever: the loop spun.
     with pytest.raises(ValueError, match="progress_interval"):
         LoadOptions(progress_interval=interval)
+
+
+# --------------------------------------------------------------------------- rates and the bar
+
+
+def partial(landed: int, needed: int, total: int, elapsed: float) -> LoadStatistics:
+    """A load of ``needed`` of a checkpoint's ``total`` bytes (one rank's share)."""
+    return replace(stats(landed, needed, elapsed), bytes_total=total)
+
+
+def test_eta_of_a_partial_load_counts_only_the_bytes_it_needs() -> None:
+    """A rank loading half a checkpoint: an ETA over every byte of the checkpoint showed
+    three times the time left (the half the rank never reads counted as still to come)."""
+    assert partial(50, 100, 200, 2.0).eta_s == pytest.approx(2.0)
+
+
+def test_rate_is_in_gigabytes_not_gibibytes() -> None:
+    """The bar says "GB/s": a rate in GiB/s would understate it by 7 %."""
+    assert stats(10**9, 10**9, 1.0).gbps == pytest.approx(1.0)
+    assert stats(3 * 10**9, 4 * 10**9, 2.0).gbps == pytest.approx(1.5)
+
+
+class Clock:
+    """A fake ``time.monotonic``: moves only when a test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Tty(io.StringIO):
+    """What a terminal receives."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+class BrokenStream(io.StringIO):
+    """A closed pipe: every write fails; counts the attempts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def frames(text: str) -> list[str]:
+    """The lines a terminal bar drew, each as written after its ``\r``."""
+    return text.split("\r")[1:]
+
+
+def test_a_partial_load_fully_landed_shows_100_percent() -> None:
+    """A rank that landed all of its share (half the checkpoint) is done: measured against
+    the whole checkpoint, the bar stopped at 50 % and the log's last line said so."""
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=False, clock=Clock())
+    bar(partial(100, 100, 200, 1.0))
+    bar.finish()
+    line = stream.getvalue()
+    assert "100.0%" in line
+    assert "50.0%" not in line
+
+
+def test_the_bar_never_overflows_past_100_percent() -> None:
+    """More landed than expected (a figure from a retried read, a rounding): the bar is
+    full, not longer than its frame and not over 100 %."""
+    stream = io.StringIO()
+    bar = ProgressBar(stream, tty=True, width=200, clock=Clock())
+    bar(stats(150, 100, 1.0))
+    (frame,) = frames(stream.getvalue())
+    assert "100.0%" in frame
+    assert "[" + "#" * 24 + "]" in frame
+    assert frame.count("#") == 24
+
+
+def test_a_shorter_redraw_blanks_the_rest_of_the_longer_line() -> None:
+    """On a terminal each frame overwrites the last one in place: a shorter frame not padded
+    left the tail of the longer one on screen, after the new text."""
+    stream = Tty()
+    bar = ProgressBar(stream, width=200, clock=Clock())
+    assert bar.tty
+    bar(replace(stats(10, 100, 2.0), units=100, units_complete=99))
+    long = frames(stream.getvalue())[0]
+    bar(replace(stats(20, 100, 0.5), units=100, units_complete=1))  # no ETA yet: "--"
+    first, second = frames(stream.getvalue())
+    assert first == long
+    short = second.rstrip(" ")
+    assert len(short) < len(long)
+    assert second == short + " " * (len(long) - len(short))
+    assert "ETA --" in short
+
+
+def test_finishing_a_terminal_bar_that_drew_nothing_writes_nothing() -> None:
+    """A load that reported nothing (it failed at once): finish() must not leave an empty
+    line in the user's terminal."""
+    stream = Tty()
+    ProgressBar(stream, width=200, clock=Clock()).finish()
+    assert stream.getvalue() == ""
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["tty", "log"])
+def test_nothing_is_written_after_finish(tty: bool) -> None:
+    """A late snapshot (the loader's last call racing the CLI's finish()) drew a bar after
+    the line was ended, in the middle of whatever the CLI printed next."""
+    stream = io.StringIO()
+    clock = Clock()
+    bar = ProgressBar(stream, tty=tty, width=200, clock=clock)
+    bar(stats(10, 100, 0.5))
+    bar.finish()
+    written = stream.getvalue()
+    clock.now += 10.0
+    bar(stats(50, 100, 2.0))
+    bar(stats(100, 100, 3.0, state="complete"))
+    bar.finish()
+    assert stream.getvalue() == written
+
+
+@pytest.mark.parametrize("tty", [True, False], ids=["tty", "log"])
+def test_a_failing_stream_is_written_once_then_left_alone(tty: bool) -> None:
+    """A closed pipe (``asyncslab load | head``): the first failed write disables the bar;
+    retrying on every snapshot raised and swallowed an error ten times a second, and no
+    error reaches the load."""
+    stream = BrokenStream()
+    clock = Clock()
+    bar = ProgressBar(stream, tty=tty, width=200, clock=clock)
+    for i in range(1, 6):
+        clock.now += 2.0
+        bar(stats(i * 10, 100, float(i)))
+    bar(stats(100, 100, 6.0, state="complete"))
+    bar.finish()
+    assert stream.writes == 1
+
+
+def test_a_log_line_is_printed_when_exactly_one_interval_has_passed() -> None:
+    """Snapshots that arrive exactly ``interval`` apart (a loader ticking on the same
+    period) must each print: a strict ``>`` printed none of them until the final line."""
+    stream = io.StringIO()
+    clock = Clock()
+    bar = ProgressBar(stream, tty=False, interval=0.5, clock=clock)
+    clock.now += 0.5
+    bar(stats(10, 100, 0.5))
+    assert stream.getvalue().count("\n") == 1
+    clock.now += 0.5
+    bar(stats(20, 100, 1.0))
+    assert stream.getvalue().count("\n") == 2
+    clock.now += 0.25
+    bar(stats(30, 100, 1.25))  # within the interval: held back
+    assert stream.getvalue().count("\n") == 2
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (9.5, "9.50s"),
+        (59, "59s"),
+        (60, "1m00s"),
+        (61, "1m01s"),
+        (3599, "59m59s"),
+        (3600, "1h00m"),
+    ],
+)
+def test_durations_change_unit_at_the_minute_and_the_hour(seconds: float, shown: str) -> None:
+    """A bar counting down showed "60s" for a minute, between "1m01s" and "59s"."""
+    assert format_duration(seconds) == shown
+
+
+@pytest.mark.parametrize("seconds", [math.nan, -1.0, None])
+def test_an_unknown_duration_is_shown_as_dashes(seconds: float | None) -> None:
+    """An ETA of NaN (a rate from no time) must show "--", not raise out of the bar and
+    fail the load it reports on."""
+    assert format_duration(seconds) == "--"
+
+
+def test_an_infinite_duration_is_shown_as_dashes() -> None:
+    """An endless ETA (a rate of zero) is as unknown as NaN: it must show "--", not raise
+    (it raised OverflowError)."""
+    assert format_duration(math.inf) == "--"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"), [(9.994, "9.99s"), (9.999, "10s"), (59.4, "59s"), (59.6, "1m00s")]
+)
+def test_a_duration_that_rounds_up_takes_the_next_unit(seconds: float, shown: str) -> None:
+    """Rounded for display after the unit was chosen, 59.6 s read "60s" beside "1m00s" for
+    60 s, and 9.999 s "10.00s": the unit follows the rounded value."""
+    assert format_duration(seconds) == shown
