@@ -564,6 +564,16 @@ async def test_expert_major_layout_binds_reshaped_views(tmp_path: Path) -> None:
         asyncslab.bind_module(other, slabs, {"w": (name, (), (7, 3))})
 
 
+def _one_submodule_under_two_names(like: torch.Tensor) -> tuple[nn.Module, nn.Module]:
+    """A module whose one submodule, with a ``weight`` shaped like ``like``, is registered
+    as both ``a`` and ``b``; and that submodule."""
+    shared = nn.Module()
+    shared.weight = nn.Parameter(torch.empty_like(like))
+    module = nn.Module()
+    module.a = module.b = shared
+    return module, shared
+
+
 @pytest.mark.asyncio
 async def test_a_submodule_under_two_names_binds_one_target(
     moe_checkpoint: asyncslab.SyntheticCheckpoint,
@@ -573,10 +583,7 @@ async def test_a_submodule_under_two_names_binds_one_target(
     module); mapped under one name, it is bound under both."""
     _, slabs = await load_layer(moe_checkpoint)
     norm = slabs.slab("model.norm.weight")
-    shared = nn.Module()
-    shared.weight = nn.Parameter(torch.empty_like(norm))
-    module = nn.Module()
-    module.a = module.b = shared
+    module, shared = _one_submodule_under_two_names(norm)
     before = shared.weight
     other = next(
         n for n, s in slabs.plan.slabs.items() if s.shape == norm.shape and n != "model.norm.weight"
@@ -598,3 +605,25 @@ async def test_a_lazy_parameter_is_a_bind_error(
     module.lin = nn.LazyLinear(4, bias=False)
     with pytest.raises(BindError, match="lin.weight: uninitialized"):
         bind_module(module, slabs, {"lin.weight": "model.norm.weight"})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+async def test_a_submodule_mapped_only_under_its_second_name_is_bound(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, strict: bool
+) -> None:
+    """A submodule registered as ``a`` and ``b``, mapped only as ``b``: its one slot is
+    mapped. Dropping the mapping because ``a`` came first made strict binding fail on a
+    parameter that was mapped, and non-strict binding keep the random initialisation
+    without a word."""
+    _, slabs = await load_layer(moe_checkpoint)
+    norm = slabs.slab("model.norm.weight")
+    module, shared = _one_submodule_under_two_names(norm)
+    views = bind_module(module, slabs, {"b.weight": "model.norm.weight"}, strict=strict)
+    storage = norm.untyped_storage()
+    start = storage.data_ptr()
+    assert start <= shared.weight.data_ptr() < start + storage.nbytes()
+    assert shared.weight.untyped_storage().data_ptr() == start
+    assert shared.weight.data_ptr() == norm.data_ptr()
+    assert torch.equal(raw_bytes(module.a.weight), raw_bytes(norm))
+    assert views["a.weight"].data_ptr() == views["b.weight"].data_ptr() == norm.data_ptr()
