@@ -221,6 +221,14 @@ class TieredMoE:
             raise PlanError(
                 f"TieredMoE layout={self.layout!r}; expected 'shard_major' or 'expert_major'"
             )
+        if self.tier_map is not None and self.tier_suffix is None:
+            # One group for every expert: a map of tiers would be verified against nothing
+            # and ignored, whatever it declares.
+            raise PlanError(
+                "TieredMoE(tier_suffix=None) puts every expert in one group, so a tier_map "
+                "has nothing to declare; pass the tier_suffix whose shape gives each "
+                "expert's tier, or no tier_map"
+            )
         if self.tier_map is not None:
             # A path, as plan(tier_map=...) takes; a mapping with JSON's string keys. Read
             # as characters, a path declared layers '.', '/', 'a'...

@@ -192,7 +192,10 @@ def make_route(
         ) from None
     offset, nbytes, shape = info.offset, info.nbytes, None
     if rows is not None:
-        start, stop = rows
+        try:
+            start, stop = map(_index, rows)  # a float row would give float offsets
+        except TypeError:
+            raise PlanError(f"rows {rows}: expected two ints", tensor=info.name) from None
         if not info.shape or not 0 <= start <= stop <= info.shape[0]:
             raise PlanError(f"rows {rows} are outside shape {list(info.shape)}", tensor=info.name)
         row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0

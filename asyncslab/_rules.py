@@ -197,6 +197,15 @@ class RowSlice:
     world: int
     unit_of: Callable[[str], str] = unit_of_layer
 
+    def __post_init__(self) -> None:
+        for name in ("rank", "world"):
+            # An int: rank=1.0 (from a float config) planned float offsets and sizes, and
+            # the load failed on them; a NumPy int is taken as the int.
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise PlanError(f"RowSlice({name}={value!r}): expected an int")
+            object.__setattr__(self, name, int(value))
+
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         if not 0 <= self.rank < self.world:
             raise PlanError(f"RowSlice rank {self.rank} is outside world size {self.world}")

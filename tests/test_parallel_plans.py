@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import Checkpoint, Dense, RowSlice, TieredMoE, load, plan
+from asyncslab import Checkpoint, Dense, RowSlice, SlabSpec, TieredMoE, load, make_route, plan
 
 
 @pytest.mark.asyncio
@@ -80,3 +80,73 @@ def test_row_slices_of_different_ranks_have_different_fingerprints(tmp_path: Pat
     ckpt = Checkpoint.open(tmp_path / "m.safetensors")
     prints = {plan(ckpt, [RowSlice("w", rank=r, world=2)]).fingerprint for r in (0, 1)}
     assert len(prints) == 2
+
+
+# ---------------------------------------------------------------- mutation audit (RowSlice)
+
+
+@pytest.mark.parametrize(("rank", "world"), [(2, 2), (-1, 2), (0, 0)])
+def test_row_slice_refuses_a_rank_outside_the_world(tmp_path: Path, rank: int, world: int) -> None:
+    """A rank outside ``0..world-1`` (an off-by-one in a launcher) is refused by name, not
+    planned as rows past the tensor's end or before its start."""
+    save_file({"w": torch.zeros(4, 2)}, tmp_path / "m.safetensors")
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    with pytest.raises(asyncslab.PlanError, match=rf"RowSlice rank {rank} is outside world"):
+        plan(ckpt, [RowSlice("w", rank=rank, world=world)])
+
+
+def test_row_slice_refuses_a_scalar_by_name(tmp_path: Path) -> None:
+    """A 0-d tensor has no rows: a PlanError naming it, not an IndexError."""
+    save_file({"s": torch.tensor(1.0), "w": torch.zeros(4, 2)}, tmp_path / "m.safetensors")
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    with pytest.raises(asyncslab.PlanError, match=r"cannot split shape \[\] by rows") as info:
+        plan(ckpt, [RowSlice(".*", rank=0, world=2)])
+    assert info.value.tensor == "s"
+
+
+@pytest.mark.asyncio
+async def test_row_slice_pattern_matches_whole_names_only(tmp_path: Path) -> None:
+    """``RowSlice("w")`` slices ``w`` alone; ``w2`` (matched by prefix only) must load whole
+    through the next rule, not as this rank's half of its rows."""
+    weights = {"w": torch.randn(4, 3), "w2": torch.randn(4, 3)}
+    save_file(weights, tmp_path / "m.safetensors")
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    p = plan(ckpt, [RowSlice("w", rank=1, world=2), Dense()])
+    async with await load(ckpt, p) as slabs:
+        assert torch.equal(raw_bytes(slabs.view("w")), raw_bytes(weights["w"][2:]))
+        assert torch.equal(raw_bytes(slabs.view("w2")), raw_bytes(weights["w2"]))
+
+
+@pytest.mark.parametrize(("rank", "world"), [(1.0, 2), (1, 2.0)])
+def test_row_slice_refuses_a_rank_or_world_that_is_no_int(
+    tmp_path: Path, rank: float, world: float
+) -> None:
+    """``RowSlice(rank=1.0)`` (a rank read from a float config) planned routes with
+    ``src_offset=88.0``, ``shape=(2.0, 2)`` and another fingerprint than ``rank=1``; the load
+    then failed ("'float' object cannot be interpreted as an integer"). Like
+    ``Stack(count=4.0)``, it is refused, naming the argument; a NumPy int is an int."""
+    import numpy as np
+
+    save_file({"w": torch.zeros(4, 2)}, tmp_path / "m.safetensors")
+    ckpt = Checkpoint.open(tmp_path / "m.safetensors")
+    name = "rank" if isinstance(rank, float) else "world"
+    with pytest.raises(asyncslab.PlanError, match=rf"RowSlice\({name}=[12]\.0\): expected an int"):
+        plan(ckpt, [RowSlice("w", rank=rank, world=world)])  # type: ignore[arg-type]
+    ints = plan(ckpt, [RowSlice("w", rank=np.int64(1), world=np.int32(2))])  # type: ignore[arg-type]
+    assert ints.fingerprint == plan(ckpt, [RowSlice("w", rank=1, world=2)]).fingerprint
+    assert type(ints.routes[0].src_offset) is int
+
+
+def test_make_route_rows_are_ints(tmp_path: Path) -> None:
+    """A custom rule's ``rows=(1.0, 2.0)`` gave a route of float offsets and sizes, which
+    the load then failed on; rows are refused unless ints (a NumPy int is one)."""
+    import numpy as np
+
+    save_file({"w": torch.zeros(4, 2)}, tmp_path / "m.safetensors")
+    info = Checkpoint.open(tmp_path / "m.safetensors").tensors["w"]
+    spec = SlabSpec("w", "u", torch.float32, (), (1, 2))
+    with pytest.raises(asyncslab.PlanError, match=r"rows \(1\.0, 2\.0\): expected two ints"):
+        make_route(info, spec, (), rows=(1.0, 2.0))  # type: ignore[arg-type]
+    route = make_route(info, spec, (), rows=(np.int64(1), np.int64(2)))  # type: ignore[arg-type]
+    assert (route.src_offset - info.offset, route.nbytes, route.shape) == (8, 8, (1, 2))
+    assert {type(route.src_offset), type(route.nbytes), type(route.shape[0])} == {int}

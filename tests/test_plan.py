@@ -1310,3 +1310,127 @@ def test_a_row_slice_must_be_whole_rows_of_its_tensor(
     assert plan(ck, [Sliced(_as_is, True)]).where("v") == ("v", ())
     with pytest.raises(PlanError, match=r"tensor 'v': reads bytes .*, not whole rows of it"):
         plan(ck, [Sliced(change, True)])
+
+
+# ------------------------------------------------------------ mutation audit (rules, MoE)
+
+
+def test_a_rank_missing_from_every_expert_is_named(tmp_path: Path) -> None:
+    """Sliced into ranks 0..2 with every rank-1 slice gone: counting the ranks present (2)
+    instead of reading the largest (2 + 1) took 0 and 2 for a complete pair, so rank 0
+    planned as if nothing were missing, and rank 2 was told the checkpoint has ranks 0..1."""
+    tensors = moe_layer(1, [3, 4, 3], ranks=3, inter=3 * INTER)
+    for name in [n for n in tensors if ".rank1." in n]:
+        del tensors[name]
+    ck = write(tmp_path / "ck", tensors)
+    for rank in (0, 2):
+        with pytest.raises(
+            CoverageError, match=r"rank slices 1 missing \(checkpoint has ranks 0\.\.2\)"
+        ) as info:
+            plan(ck, rank=rank)
+        assert info.value.details["missing_ranks"] == [1]
+
+
+def test_a_stray_expert_id_is_refused_before_sizing_the_partition(tmp_path: Path) -> None:
+    """Without ``n_experts`` or a tier map, the expert count comes from the largest id; one
+    stray id (``experts.1000``, or ``10**9``) must be refused as such, not make a partition
+    of that many experts (memory and time in its size) and list hundreds of "missing"
+    experts."""
+    tensors = {**moe_layer(1, [3, 4]), **expert_tensors(1, 1000, 3)}
+    ck = write(tmp_path / "ck", tensors)
+    with pytest.raises(
+        PartitionError,
+        match=r"layer 1: expert ids run to 1000, but only 3 experts are present; "
+        r"pass n_experts= or a tier map",
+    ) as info:
+        plan(ck)
+    assert info.value.details["layer"] == 1
+
+
+def test_an_expert_without_a_tier_tensor_is_named_as_such(tmp_path: Path) -> None:
+    """Expert 1 has its scales but no trellis, so no tier. The error must say that, not
+    "experts in no group: 1" (a partition error about an expert whose tensors are there)."""
+    tensors = moe_layer(1, [3, 4, 3])
+    for proj in PROJS:
+        del tensors[xname(1, 1, proj, "trellis")]
+    ck = write(tmp_path / "ck", tensors)
+    with pytest.raises(
+        CoverageError, match=r"layer 1: experts 1 have no 'trellis' tensor, so their tier"
+    ) as info:
+        plan(ck)
+    assert info.value.details["experts"] == [1]
+
+
+def test_a_stray_stack_index_is_refused_as_such(tmp_path: Path) -> None:
+    """Without ``count``, a stray index (``layers.1000``) would size the slab 1001 slots: it
+    is refused by name instead of listing ~1000 "empty" slots (or, for an index like 10**12,
+    planning a slab of that many)."""
+    tensors = {**q_weights(2), "model.layers.1000.attn.q.weight": torch.zeros(4, 4)}
+    ck = write(tmp_path / "ck", tensors)
+    with pytest.raises(
+        CoverageError, match=r"indices run to 1000, but only 3 tensors are present"
+    ) as info:
+        plan(ck, [STACK])
+    assert info.value.tensor is not None
+
+
+def test_stack_dtype_is_required_even_when_the_members_agree(tmp_path: Path) -> None:
+    """``Stack(dtype=...)`` states the precision a model needs: members that agree among
+    themselves on another dtype are still refused (rule 5), never stacked as they are."""
+    ck = write(tmp_path / "ck", q_weights(3))
+    with pytest.raises(DtypeMismatchError, match=r"dtype F32, plan expects BF16"):
+        plan(ck, [Stack(STACK.pattern, dtype=torch.bfloat16)])
+    p = plan(ck, [Stack(STACK.pattern, dtype=torch.float32)])
+    assert p.slabs["model.layers.*.attn.q.weight"].dtype == torch.float32
+
+
+def test_dense_dtypes_first_full_match_wins(tmp_path: Path) -> None:
+    """``Dense(dtypes=...)``: the first pattern that matches the *whole* name decides. A
+    prefix match (``model\\.layers\\.0`` against ``model.layers.0.attn.q.weight``) or a
+    later catch-all winning would require bfloat16 of float32 tensors and refuse a correct
+    checkpoint."""
+    ck = write(tmp_path / "ck", q_weights(2))
+    rule = Dense(
+        dtypes={
+            r"model\.layers\.0": torch.bfloat16,
+            r".*\.q\.weight": torch.float32,
+            r".*": torch.bfloat16,
+        }
+    )
+    p = plan(ck, [rule])
+    assert {s.dtype for s in p.slabs.values()} == {torch.float32}
+
+
+def test_dense_pattern_claims_only_whole_names(tmp_path: Path) -> None:
+    """``Dense(pattern)`` claims tensors whose whole name matches: ``w`` must not also claim
+    ``w.scale`` (which would then land in the wrong rule's unit, or dtype requirement)."""
+    tensors = {"w": torch.zeros(4), "w.scale": torch.ones(2, dtype=torch.float16)}
+    ck = write(tmp_path / "ck", tensors)
+    p = plan(ck, [Dense("w", unit_of=lambda name: "weights"), Dense(unit_of=lambda name: "rest")])
+    assert p.slabs["w"].unit == "weights"
+    assert p.slabs["w.scale"].unit == "rest"
+
+
+def test_expert_major_slabs_say_so_in_shape_and_label(tmp_path: Path) -> None:
+    """An engine picks its kernel from a slab's ``layout`` label: an expert-major W13 slab
+    must be ``(n, 2, ...)`` and labelled ``expert_major`` (a ``shard_major`` label on it
+    would have the engine read gate rows as up rows)."""
+    ck = write(tmp_path / "ck", moe_layer(1, [3, 4, 3]))
+    p = plan(ck, [TieredMoE(layout="expert_major")])
+    w13 = p.slabs["model.layers.1.mlp.experts.K3.w13.trellis"]
+    assert w13.slot_dims == (2, 2)
+    assert w13.labels["layout"] == "expert_major"
+    assert p.where(xname(1, 2, "up_proj", "trellis")).slot == (1, 1)
+    assert p.slabs["model.layers.1.mlp.experts.K4.w13.suh"].slot_dims == (1, 2)
+    assert p.slabs["model.layers.1.mlp.experts.K4.w2.svh"].labels["layout"] == "expert_major"
+
+
+def test_a_tier_map_is_not_silently_ignored_without_a_tier_suffix(tmp_path: Path) -> None:
+    """Mixtral-like experts in one group (``tier_suffix=None``) and a declared tier map
+    naming experts 0..1 of layer 0 when 0..3 exist: the map is verified nowhere, so the plan
+    was accepted as if none were given. The combination is refused when the rule is made,
+    saying why."""
+    ck = write(tmp_path / "ck", mixtral())
+    assert plan(ck, [MIXTRAL, Dense()]).extras["partitions"]  # without the map: fine
+    with pytest.raises(PlanError, match=r"tier_suffix=None\) puts every expert in one group"):
+        dataclasses.replace(MIXTRAL, tier_map={0: {0: 3, 1: 4}, 1: {0: 9}})
