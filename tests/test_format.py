@@ -30,8 +30,11 @@ from asyncslab import (
     AsyncSlabError,
     Checkpoint,
     CheckpointError,
+    DuplicateKeyError,
     HeaderError,
+    HeaderJSONError,
     MissingFileError,
+    OffsetError,
     PayloadSizeError,
     ShardFile,
     SizeMismatchError,
@@ -712,3 +715,156 @@ def test_property_malformed_cases_never_escape(case: Case, flips: list[int]) -> 
             err = e
     if err is not None:
         assert err.file == str(path)
+
+
+# --- compact-layout headers the fast parser must not accept ---------------------------------
+# Every header below is in the compact layout writers emit (no whitespace, canonical key
+# order), so the fast parser reads it first. Each is malformed in a way only that parser's own
+# checks can see; accepting it would hand the user a file the general parser (and, where it
+# says so, the reference) refuses, or a different reading of the same bytes.
+
+
+def _u8(begin: int, end: int) -> str:
+    """A compact U8 entry of ``end - begin`` elements at ``[begin, end]``."""
+    return f'{{"dtype":"U8","shape":[{end - begin}],"data_offsets":[{begin},{end}]}}'
+
+
+def _refused(directory: Path, text: str, payload: bytes) -> AsyncSlabError:
+    """The error opening a file of header ``text`` raises; read_header raises the same."""
+    path = write(directory, build(text.encode(), payload))
+    with pytest.raises(AsyncSlabError) as info:
+        Checkpoint.open(path)
+    err = info.value
+    assert err.file == str(path)
+    with pytest.raises(type(err)) as again:
+        read_header(path)
+    assert again.value.message == err.message
+    return err
+
+
+def test_compact_header_with_a_repeated_metadata_key_is_refused(tmp_path: Path) -> None:
+    """A metadata key written twice is ambiguous (parsers disagree which value wins); it was
+    refused only when no tensor followed, so a real checkpoint's metadata could say either."""
+    text = '{"__metadata__":{"format":"pt","format":"np"},"t":' + _u8(0, 4) + "}"
+    err = _refused(tmp_path, text, b"abcd")
+    assert type(err) is DuplicateKeyError
+    assert err.message == "__metadata__ names key 'format' twice"
+    assert err.tensor is None
+
+
+@pytest.mark.parametrize("value", ["1", "null", "true", '["pt"]', '{"k":"v"}', "1.5"])
+def test_compact_header_with_non_string_metadata_is_refused(tmp_path: Path, value: str) -> None:
+    """__metadata__ maps strings to strings: the reference refuses any other value, and a
+    ShardFile.metadata holding ints or lists breaks code that reads it as text."""
+    text = '{"__metadata__":{"format":' + value + '},"t":' + _u8(0, 4) + "}"
+    err = _refused(tmp_path, text, b"abcd")
+    assert type(err) is HeaderJSONError
+    assert err.message == "__metadata__ must map strings to strings"
+    assert isinstance(reference(tmp_path / "model.safetensors"), Exception)
+
+
+def test_compact_header_with_a_tensor_called_metadata_after_another_is_refused(
+    tmp_path: Path,
+) -> None:
+    """``__metadata__`` is reserved wherever it stands: a tensor entry of that name after
+    another tensor was accepted as a tensor called ``__metadata__``, which the reference
+    refuses."""
+    text = '{"t":' + _u8(0, 4) + ',"__metadata__":' + _u8(4, 8) + "}"
+    err = _refused(tmp_path, text, b"abcdefgh")
+    assert type(err) is HeaderJSONError
+    assert err.message == "__metadata__ must map strings to strings"
+    assert isinstance(reference(tmp_path / "model.safetensors"), Exception)
+
+
+def test_compact_header_naming_a_tensor_twice_with_contiguous_offsets_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Two entries of one name whose offsets chain [0, 4] then [4, 8]: the fast parser would
+    keep both (a checkpoint with two tensors of one name, one of them unreachable)."""
+    text = '{"t":' + _u8(0, 4) + ',"t":' + _u8(4, 8) + "}"
+    err = _refused(tmp_path, text, b"abcdefgh")
+    assert type(err) is DuplicateKeyError
+    assert err.message == "header names key 't' twice"
+
+
+@pytest.mark.parametrize("char", ["\n", "\t", "\x00", "\x1f"], ids=["lf", "tab", "nul", "us"])
+def test_compact_header_with_a_raw_control_character_in_a_name_is_refused(
+    tmp_path: Path, char: str
+) -> None:
+    """JSON forbids unescaped control characters in strings; such a header is not JSON, and
+    the reference refuses it. The fast parser would take the name as written."""
+    text = '{"a' + char + 'b":' + _u8(0, 4) + "}"
+    err = _refused(tmp_path, text, b"abcd")
+    assert type(err) is HeaderJSONError
+    assert err.message.startswith("header is not valid JSON: Invalid control character")
+    assert isinstance(reference(tmp_path / "model.safetensors"), Exception)
+
+
+@pytest.mark.parametrize(
+    ("text", "payload"),
+    [
+        # The separators after the name and after the shape swapped.
+        pytest.param('{"a],"data_offsets":[U8","shape":[4":{"dtype":"0,4]}}', 4, id="one-tensor"),
+        # The same two separators exchanged between two tensors.
+        pytest.param(
+            '{"a":{"dtype":"U8","shape":[4":{"dtype":"0,4]},'
+            '"b],"data_offsets":[U8","shape":[4],"data_offsets":[4,8]}}',
+            8,
+            id="across-tensors",
+        ),
+    ],
+)
+def test_compact_header_with_separators_in_the_wrong_order_is_refused(
+    tmp_path: Path, text: str, payload: int
+) -> None:
+    """The fast parser replaces separators before splitting, which forgets their order; only
+    rebuilding the text proves it. Without that proof these texts, which are not JSON, read
+    as U8 tensors of 4 bytes each."""
+    err = _refused(tmp_path, text, bytes(payload))
+    assert type(err) is HeaderJSONError
+    assert err.message.startswith("header is not valid JSON")
+    assert isinstance(reference(tmp_path / "model.safetensors"), Exception)
+
+
+def test_compact_header_with_offsets_reaching_2_to_the_64_names_the_tensor(
+    tmp_path: Path,
+) -> None:
+    """Each tensor fits 64 bits, but the second ends at 2**64: an offset the format cannot
+    hold. The error names that tensor and its offsets (an OffsetError), rather than blaming
+    the file's size for a payload no file could have."""
+    half = 1 << 63
+    text = '{"a":' + _u8(0, half) + ',"b":' + _u8(half, 2 * half) + "}"
+    err = _refused(tmp_path, text, b"")
+    assert type(err) is OffsetError
+    assert err.tensor == "b"
+    assert (
+        err.message == f"data_offsets [{half}, {2 * half}] are not an ordered range of byte offsets"
+    )
+
+
+def test_compact_and_indented_zero_size_ties_order_alike(tmp_path: Path) -> None:
+    """Zero-size tensors sharing an offset are ordered by name whatever the header's layout:
+    the order of Checkpoint.tensors (and of the plan built from it) must not change when a
+    writer indents the same header."""
+    entries = {
+        "z": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]},
+        "y": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]},
+        "x": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+        "w": {"dtype": "U8", "shape": [0], "data_offsets": [4, 4]},
+    }
+    compact = write(tmp_path, build(json.dumps(entries, separators=(",", ":")), 4), "c.safetensors")
+    indented = write(tmp_path, build(json.dumps(entries, indent=2), 4), "i.safetensors")
+    by_compact, by_indented = Checkpoint.open(compact), Checkpoint.open(indented)
+    assert list(by_compact.tensors) == list(by_indented.tensors) == ["y", "z", "x", "w"]
+    assert list(by_compact.files[0].tensors) == ["y", "z", "x", "w"]
+
+
+@pytest.mark.parametrize("sep", [" ", ";", "}", ":"], ids=["space", "semicolon", "brace", "colon"])
+def test_compact_header_without_a_comma_after_metadata_is_refused(tmp_path: Path, sep: str) -> None:
+    """The metadata object must be followed by a comma; any other character there makes
+    the header invalid JSON (the reference refuses it), not a separator to skip."""
+    text = '{"__metadata__":{"format":"pt"}' + sep + '"t":' + _u8(0, 4) + "}"
+    err = _refused(tmp_path, text, b"abcd")
+    assert type(err) is HeaderJSONError
+    assert err.message.startswith("header is not valid JSON")
+    assert isinstance(reference(tmp_path / "model.safetensors"), Exception)

@@ -559,3 +559,89 @@ def test_a_missing_index_is_a_missing_file(tmp_path: Path) -> None:
     # It said "index is not a regular file", where a missing shard says it does not exist.
     with pytest.raises(MissingFileError, match="file does not exist"):
         Checkpoint.open(tmp_path / "model.safetensors.index.json")
+
+
+# --- found by a mutation audit: refusals only a hostile or broken index reaches --------------
+
+
+def test_blobs_two_levels_up_are_outside_unless_the_parent_is_snapshots(tmp_path: Path) -> None:
+    """The hub-cache exception (links into ``../../blobs``) holds only for a directory under
+    ``snapshots``: a checkpoint at ``repo/revisions/ckpt`` may not link into ``repo/blobs``,
+    or a link there would read a file from outside the checkpoint."""
+    root = tmp_path / "repo" / "revisions" / "ckpt"
+    shard(root, "a.safetensors", ["x"])
+    secret = shard(tmp_path / "repo" / "blobs", "secret.safetensors", ["s"])
+    (root / "b.safetensors").symlink_to(secret)
+    with pytest.raises(UnsafePathError, match=r"'b.safetensors' resolves to .* outside the"):
+        Checkpoint.open(root)
+    idx = index(root, {"x": "a.safetensors", "s": "b.safetensors"})
+    with pytest.raises(UnsafePathError, match=r"outside the checkpoint directory") as info:
+        Checkpoint.open(root)
+    assert info.value.file == str(idx)
+
+
+def test_an_index_naming_a_tensor_twice_is_refused_even_when_the_count_matches(
+    two_shards: Path,
+) -> None:
+    """``x`` listed twice and ``y`` not at all: as many names as the headers hold, each found
+    in the file the index says. A repeated key is ambiguous (parsers disagree which entry
+    wins) and ``y`` is missing from the index, so it is refused, naming the repeated key."""
+    idx = two_shards / INDEX
+    idx.write_text(
+        '{"metadata": {}, "weight_map": {"x": "a.safetensors", "x": "a.safetensors", '
+        '"z": "b.safetensors"}}'
+    )
+    with pytest.raises(IndexFileError) as info:
+        Checkpoint.open(two_shards)
+    assert info.value.message == "weight_map names key 'x' twice"
+    assert info.value.file == str(idx)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param(
+            '{"weight_map": {"x": "a.safetensors", "y", "a.safetensors", "z": "b.safetensors"}}',
+            "index is not valid JSON: Expecting ':' delimiter",
+            id="comma-for-colon",
+        ),
+        pytest.param(
+            '{"weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}, '
+            '"weight_map": {}}',
+            "index names key 'weight_map' twice",
+            id="weight_map-twice",
+        ),
+        pytest.param(
+            '{"weight_map": {"x": "a.safetensors", "y": "a.safetensors", '
+            '"z": "b\x01.safetensors"}}',
+            "index is not valid JSON: Invalid control character",
+            id="control-character-in-file-name",
+        ),
+    ],
+)
+def test_an_index_that_is_not_valid_json_is_refused_though_it_lists_every_tensor(
+    two_shards: Path, text: str, message: str
+) -> None:
+    """The fast index reader checks only the syntax around the map it slices out; an index
+    that is not JSON (or names weight_map twice, which JSON parsers resolve differently)
+    must still be refused rather than read as the map it seems to hold."""
+    idx = two_shards / INDEX
+    idx.write_text(text)
+    with pytest.raises(IndexFileError) as info:
+        Checkpoint.open(two_shards)
+    assert info.value.message.startswith(message)
+    assert info.value.file == str(idx)
+    assert info.value.tensor is None
+
+
+def test_a_nul_in_an_index_file_name_is_an_unsafe_path(two_shards: Path) -> None:
+    """``\\u0000`` in a file name: refused as an unsafe path, naming the index, where
+    resolving it would raise a bare ValueError ("embedded null byte") from the OS layer."""
+    idx = two_shards / INDEX
+    idx.write_text(
+        '{"weight_map": {"x": "a.safetensors", "y": "a.safetensors", "z": "b\\u0000.safetensors"}}'
+    )
+    with pytest.raises(UnsafePathError, match=r"must be relative and stay inside") as info:
+        Checkpoint.open(two_shards)
+    assert info.value.file == str(idx)
+    assert repr("b\x00.safetensors") in info.value.message
