@@ -880,3 +880,34 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     gc.collect()
     assert open_fds() == fds
     assert all(r() is None for r in slab_refs)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_file_replaced_between_start_and_its_open_is_refused_not_read(
+    fresh_small: asyncslab.SyntheticCheckpoint, path: str
+) -> None:
+    """start() checks every shard against the plan, but the files are opened only when the
+    load's task first runs; a shard swapped in between (same size, another inode, other
+    tensor bytes: a checkpoint re-exported in place) must be refused at its open, else its
+    bytes would land silently as the planned checkpoint's."""
+    ckpt = Checkpoint.open(fresh_small.root)
+    p = plan(ckpt)
+    victim = ckpt.files[1]
+    data = bytearray(victim.path.read_bytes())
+    data[-1] ^= 0xFF  # a tensor byte: the header, and so the plan, would still match
+    fds = open_fds()
+    slabs = SlabSet(p)
+    task = slabs.start(ckpt, options=PATHS[path])  # the stat check passes here
+    replacement = victim.path.with_name("replacement.tmp")
+    replacement.write_bytes(bytes(data))
+    os.replace(replacement, victim.path)
+    with pytest.raises(asyncslab.FileChangedError, match="replaced or modified") as info:
+        await task
+    assert info.value.file == str(victim.path)
+    assert slabs.state == "failed"
+    assert slabs.statistics().reads == 0
+    assert open_fds() == fds
+    assert await wait_io_threads_gone() == []
+    await slabs.aclose()

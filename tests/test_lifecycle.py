@@ -9,6 +9,7 @@ import gc
 import inspect
 import itertools
 import json
+import math
 import re
 import shutil
 import threading
@@ -699,3 +700,129 @@ async def test_a_unit_callback_that_returned_keeps_its_frame(
         await slabs.load(ckpt, options=SMALL, on_unit_ready=unit_ready)
         assert frames
         assert all(f.f_locals["payload"] == {"unit": f.f_locals["unit"]} for f in frames)
+
+
+async def test_a_paced_load_reads_nothing_before_its_pace_allows_and_closes_at_once(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_bytes_per_s`` holds each read back until the bytes up to its end are due at
+    that rate: at 1 byte/s no read of a 300 KB load may start for hours. Guards against the
+    option being dropped (the neighbour it was set for loses its storage bandwidth after
+    all), and against a thread waiting for its pace that aclose() cannot wake (a shutdown
+    hanging for the whole delay)."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    reads: list[str] = []
+
+    def counting(*args: Any, **kwargs: Any) -> int:
+        reads.append(kwargs["path"])
+        return pread_scatter(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "pread_scatter", counting)
+    slabs = SlabSet(plan(ckpt))
+    task = slabs.start(ckpt, options=replace(SMALL, max_bytes_per_s=1.0))
+    await asyncio.sleep(0.2)  # unpaced, the whole load lands in this time
+    stats = slabs.statistics()
+    assert (stats.state, stats.reads, stats.bytes_landed, reads) == ("loading", 0, 0, [])
+    async with asyncio.timeout(10):  # a hang guard: the close must not wait for the pace
+        await slabs.aclose()
+    assert task.cancelled()
+    assert io_threads() == []
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"io_workers": 0}, "io_workers must be positive"),
+        ({"read_size": 0}, "read_size must be positive"),
+        ({"staging_bytes": -1}, "staging_bytes must be positive"),
+        ({"staging_buffers": 0}, "staging_buffers must be positive"),
+        ({"streams": 0}, "streams must be positive"),
+        ({"coalesce_gap": -1}, "coalesce_gap must be >= 0"),
+        ({"staging_bytes": 3, "staging_buffers": 4}, "at least one byte"),
+        ({"max_bytes_per_s": 0}, "max_bytes_per_s must be positive"),
+        ({"max_bytes_per_s": -1e9}, "max_bytes_per_s must be positive"),
+        ({"read_timeout": -math.inf}, "read_timeout must be positive"),
+    ],
+)
+async def test_load_options_refuse_values_with_no_meaning_naming_the_option(
+    options: dict[str, Any], message: str
+) -> None:
+    """Refused when the options are made, naming the option. Accepted, each failed later
+    and far from the cause (no I/O thread: a load that never reads; a zero or negative rate:
+    a ZeroDivisionError in a thread, or pacing silently off; a negative gap or zero-byte
+    buffers: a schedule or a division that breaks mid-load)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LoadOptions(**options)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        LoadOptions(read_size=16 << 10, coalesce_gap=1 << 20, io_workers=2),
+        LoadOptions(transfer="staged", staging_bytes=2 * (16 << 10), staging_buffers=2),
+        LoadOptions(transfer="mapped", staging_bytes=2 * (16 << 10), staging_buffers=2),
+    ],
+    ids=["direct", "staged", "mapped"],
+)
+async def test_bytes_landed_counts_only_routed_bytes_when_reads_span_skipped_tensors(
+    tmp_path: Path, options: LoadOptions
+) -> None:
+    """A rank's plan skips the other rank's slices, and coalesced reads read through them:
+    ``bytes_read`` counts those, ``bytes_landed`` must not. Counted as landed, progress
+    went past 100 % (landed > needed), and the GB/s and ETA derived from it were wrong."""
+    spec = SyntheticSpec(tp_ranks=2, n_layers=2, n_experts=4, hidden=64, intermediate=32, vocab=128)
+    ckpt = Checkpoint.open(write_synthetic(tmp_path, spec).root)
+    p = plan(ckpt, rank=0)
+    assert p.skipped
+    seen: list[tuple[int, int]] = []
+    async with SlabSet(p) as slabs:
+        await slabs.load(
+            ckpt, options=replace(options, progress_interval=0),
+            progress=lambda s: seen.append((s.bytes_landed, s.bytes_needed)),
+        )  # fmt: skip
+        stats = slabs.statistics()
+        assert_bit_identical(slabs, ckpt)
+    assert stats.bytes_landed == stats.bytes_needed == sum(r.nbytes for r in p.routes)
+    assert stats.bytes_read > stats.bytes_landed  # the reads did span skipped bytes
+    assert seen
+    assert all(landed <= needed for landed, needed in seen)
+
+
+async def test_progress_is_not_called_per_read_within_its_interval(
+    small_checkpoint: asyncslab.SyntheticCheckpoint,
+) -> None:
+    """With an interval longer than the load, reads that land call nothing: the callback
+    is called once when the reads end and once with the final state. Called on every
+    landing instead, a callback that logs or pushes a metric ran thousands of times a
+    second on the event loop, the very cost ``progress_interval`` exists to bound."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    seen: list[asyncslab.LoadStatistics] = []
+    async with SlabSet(plan(ckpt)) as slabs:
+        options = replace(SMALL, progress_interval=3600.0)
+        await slabs.load(ckpt, options=options, progress=seen.append)
+        reads = slabs.statistics().reads
+    assert reads > 10
+    assert [s.state for s in seen] == ["loading", "complete"]
+    assert seen[0].bytes_landed == seen[1].bytes_landed == seen[1].bytes_needed
+
+
+async def test_reset_after_a_failed_load_leaves_no_figure_or_error_of_it(
+    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reset() makes the slabs empty: statistics must not go on reporting the failed load's
+    error, reads or bytes (a health check would show an empty SlabSet as broken, or a
+    progress bar start from the old figures), and ready() must not blame that load."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    failing_first_read(monkeypatch, others_take=0.0)
+    async with SlabSet(plan(ckpt)) as slabs:
+        with pytest.raises(asyncslab.ReadError, match="injected EIO"):
+            await slabs.load(ckpt, options=SMALL)
+        assert slabs.statistics().error
+        slabs.reset()
+        stats = slabs.statistics()
+        assert (stats.state, stats.error, stats.transfer) == ("empty", None, "")
+        assert (stats.reads, stats.bytes_read, stats.bytes_landed, stats.bytes_needed) == (0,) * 4
+        assert (stats.tensors_landed, stats.units_complete, stats.elapsed_s) == (0, 0, 0.0)
+        with pytest.raises(asyncslab.IncompleteLoadError) as info:
+            await slabs.ready()
+        assert info.value.__cause__ is None

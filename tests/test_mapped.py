@@ -37,7 +37,7 @@ from test_faults import (
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, _loader, _mapped, plan
-from asyncslab._schedule import windows
+from asyncslab._schedule import ReadOp, windows
 
 # Windows of two pages, three threads: hundreds of registrations per load, tensors cut at
 # window edges, several registered at once.
@@ -458,3 +458,94 @@ def test_cuda_registry_registers_read_only_and_reports_cuda_errors(
         registry.register(0x10000, 8192)
     with pytest.raises(RuntimeError, match=r"cudaHostUnregister failed: .* \(CUDA error 712\)"):
         registry.unregister(0x10000)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spare", [1, mmap.PAGESIZE - 1])
+async def test_a_window_size_off_the_page_size_is_cut_to_whole_pages(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry, spare: int
+) -> None:
+    """``staging_bytes // staging_buffers`` need not be a multiple of the page size; the
+    windows must be, rounded down. Windows of the size asked would share a page with their
+    neighbours, and two threads would register that page at once: CUDA refuses that
+    ("already registered"), failing every such mapped load on a GPU."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    registry.delay = 0.002  # registrations overlap in time, as CUDA's do
+    options = replace(MAPPED, staging_bytes=3 * (2 * mmap.PAGESIZE + spare))
+    async with SlabSet(p) as slabs:
+        await slabs.load(ckpt, options=options)
+        assert assert_bit_identical(slabs, ckpt) == len(p.routes)
+        reads = slabs.statistics().reads
+    assert reads == len(windows(p, window=2 * mmap.PAGESIZE).ops) == registry.registered
+
+
+class _SpanRegistry:
+    """Records the one range registered; the copy checks it reads only inside it."""
+
+    def __init__(self) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        self.ranges.append((address, nbytes))
+
+    def unregister(self, address: int) -> None:
+        self.unregistered.append(address)
+
+
+@pytest.mark.parametrize(
+    ("offset", "nbytes"),
+    [(0, 1), (1, mmap.PAGESIZE), (mmap.PAGESIZE - 1, 2), (mmap.PAGESIZE, mmap.PAGESIZE),
+     (mmap.PAGESIZE + 5, 3 * mmap.PAGESIZE)],
+)  # fmt: skip
+def test_transfer_registers_every_page_its_copy_reads(
+    tmp_path: Path, offset: int, nbytes: int
+) -> None:
+    """The pages registered for a read cover all of its bytes: on a GPU a copy from past
+    the registered range reads pages neither pinned nor faulted in (a cold page, or a file
+    truncated meanwhile, ends the process with SIGBUS on the CPU twin instead of an error)."""
+    path = tmp_path / "shard.bin"
+    data = random.Random(0).randbytes(6 * mmap.PAGESIZE)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    mappings = _mapped.Mappings([fd], [len(data)], [str(path)])
+    registry = _SpanRegistry()
+    # Plain numbers and bytes only: nothing that points into the mapping outlives it.
+    copied: list[tuple[int, int, bytes]] = []
+
+    def copy(op: Any, source: torch.Tensor) -> None:
+        copied.append((source.data_ptr(), source.numel(), source.numpy().tobytes()))
+
+    op = ReadOp(file=0, offset=offset, nbytes=nbytes, pieces=())
+    try:
+        returned = _mapped.transfer(op, mappings, registry, copy, str(path))
+    finally:
+        mappings.close()
+        os.close(fd)
+    assert returned == nbytes
+    ((address, length),) = registry.ranges
+    ((pointer, size, got),) = copied
+    assert got == data[offset : offset + nbytes]
+    assert address % mmap.PAGESIZE == 0
+    assert length % mmap.PAGESIZE == 0
+    assert address <= pointer
+    assert pointer + size <= address + length
+    assert registry.unregistered == [address]
+
+
+def test_mappings_that_fail_part_way_unmap_what_they_mapped(tmp_path: Path) -> None:
+    """A shard that cannot be mapped (here: a bad descriptor) fails the load; the shards
+    mapped before it must be unmapped then, not left in the address space for the life of
+    the process (each retry would leak the whole checkpoint's address range again)."""
+    path = tmp_path / "shard.bin"
+    path.write_bytes(bytes(3 * mmap.PAGESIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="cannot map"):
+            _mapped.Mappings([fd, -1], [3 * mmap.PAGESIZE, 1], [str(path), "bad"])
+    finally:
+        os.close(fd)
+    with open("/proc/self/maps") as maps:
+        assert [line for line in maps if line.rstrip().endswith(str(path))] == []
