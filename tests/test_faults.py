@@ -498,7 +498,11 @@ async def test_error_in_one_file_while_others_are_in_flight(
         if path_of(fd) == victim:
             victim_reads += 1
             if victim_reads == 3:
-                time.sleep(0.02)
+                # Fail while another read is inside its syscall: a fixed sleep left that to
+                # the scheduler, and on a loaded machine no other read was in flight yet.
+                deadline = time.monotonic() + 5
+                while fake.in_flight < 2 and time.monotonic() < deadline:
+                    time.sleep(0.001)
                 in_flight_at_error.append(fake.in_flight)
                 raise OSError(errno.EIO, "Input/output error")
         time.sleep(0.01)
