@@ -840,12 +840,16 @@ def test_a_load_that_fails_replaces_an_earlier_json_and_the_bar_says_so(
     calls = iter(range(1_000_000))
 
     def read(*a: object, **kw: object) -> int:
-        if next(calls) == 3:
-            if fails == "by Ctrl-C":
-                os.kill(os.getpid(), signal.SIGINT)  # the loop cancels the load
-                time.sleep(0.05)
-            else:
-                raise asyncslab.ReadError("injected EIO", file=str(kw["path"]))
+        n = next(calls)
+        if n == 3 and fails == "in a read":
+            raise asyncslab.ReadError("injected EIO", file=str(kw["path"]))
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the loop cancels the load
+        if n >= 3 and fails == "by Ctrl-C":
+            # Every read from here on is slow, so that the load cannot end before the loop
+            # has acted on the signal (with one slow read, a busy machine let the other
+            # threads finish the load first: it exited 0).
+            time.sleep(0.2)
         return pread_scatter(*a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_copy, "pread_scatter", read)
