@@ -1298,3 +1298,88 @@ def test_into_slabs_of_a_failed_shared_load_are_freed_when_dropped(
         assert r["outcome"]["ranks"] == [1], (rank, r)
         assert r["state"] == "failed", (rank, r)
         assert r["freed"], (rank, r)
+
+
+# --- tests: ranks that disagree before loading, and odd chunk sizes -------------------------
+
+
+async def _disagree(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1 differs from rank 0 in one way per case; then good loads with odd chunks."""
+    out: dict[str, Any] = {}
+    whole = _open(root, "whole")
+    sliced = _open(root, "pre-sliced")
+    # Another mode on rank 1: each rank would load a part of a different split.
+    mode = "experts" if rank == 0 else "rows"
+    out["mode"] = await _attempt(distributed.load(whole, distributed.rank_plan(whole, mode=mode)))
+    # A replicated plan that leaves a tensor out on rank 1 only.
+    skip = ("model.layers.0.self_attn.q_proj.weight",) if rank == 1 else ()
+    replicated = distributed.rank_plan(whole, mode="replicated", ignore=skip)
+    out["replicated"] = await _attempt(distributed.load(whole, replicated))
+    # Another checkpoint on rank 1.
+    if rank == 0:
+        other = distributed.rank_plan(whole, mode="experts")
+        out["checkpoint"] = await _attempt(distributed.load(whole, other))
+    else:
+        other = distributed.rank_plan(sliced, mode="pre-sliced")
+        out["checkpoint"] = await _attempt(distributed.load(sliced, other))
+    # Good shared loads whose chunks hold several routes and cut them at odd offsets, and
+    # an expert split that is not round robin.
+    for mode, chunk in (("rows+experts", 4097), ("experts", 3001), ("pre-sliced", 777)):
+        ckpt = _open(root, mode)
+        owns = (lambda layer, e: (e < 3) == (rank == 0)) if mode == "experts" else None
+        plan = distributed.rank_plan(ckpt, mode=mode, owns=owns)
+        loaded = await distributed.load(ckpt, plan, share_reads=True, chunk_bytes=chunk)
+        async with loaded:
+            got = _verify(loaded.slabs, ckpt)
+            got["state"] = loaded.slabs.state
+            got["experts"] = sorted({r.expert for r in plan.routes if r.expert is not None})
+            got["staging_budget"] = loaded.slabs.statistics().staging_budget
+            out[f"share/{mode}/{chunk}"] = got
+    # share_reads on rank 0 only: the ranks would run different collectives (last: a
+    # mutant that lets them start may break the group).
+    out["sharing"] = await _attempt(
+        distributed.load(whole, replicated, share_reads=rank == 0, chunk_bytes=SHARE_CHUNK)
+    )
+    if "collective failed" in out["sharing"].get("message", ""):
+        result["group_broken"] = True
+    result["disagree"] = out
+
+
+SCENARIOS["disagree"] = _disagree
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_disagree_before_loading_all_fail_naming_the_odd_rank(
+    tmp_path: Path, checkpoints2: Path
+) -> None:
+    """A rank with another mode, another replicated plan, another checkpoint or another
+    share_reads than rank 0 fails every rank, naming it, before any read: else the ranks
+    "complete" loads of parts that do not fit together (or run different collectives and
+    hang). And shared loads with chunk sizes that are not powers of two, cutting routes at
+    odd offsets, fill every rank's slots with exactly the bytes safetensors reads."""
+    results = _spawn(tmp_path, 2, "disagree", checkpoints2, pg_timeout=HUNG_PG_TIMEOUT, wait=40)
+    assert all(r is not None for r in results)
+    outcomes = [r["disagree"] for r in results if r is not None]
+    why = {
+        "mode": "failed on rank 1 of 2: planned mode 'rows', rank 0 'experts'",
+        "replicated": "failed on rank 1 of 2: replicated plan ",
+        "checkpoint": "failed on rank 1 of 2: opened another checkpoint than rank 0",
+        "sharing": "failed on rank 1 of 2: loads with share_reads=False, rank 0 with "
+        f"share_reads=True, chunk_bytes={SHARE_CHUNK}",
+    }
+    for rank, out in enumerate(outcomes):
+        for case, text in why.items():
+            got = out[case]
+            assert got["type"] == "DistributedLoadError", (rank, case, got)
+            assert got["ranks"] == [1], (rank, case, got)
+            assert text in got["message"], (rank, case, got["message"])
+            assert "before loading" in got["message"], (rank, case, got["message"])
+        assert "differs from rank 0's" in out["replicated"]["message"]
+        for key, got in out.items():
+            if key.startswith("share/"):
+                assert got["state"] == "complete", (rank, key)
+                assert got["checked"] > 0, (rank, key)
+                assert got["mismatched"] == [], (rank, key, got["mismatched"][:5])
+                chunk = int(key.rsplit("/", 1)[1])
+                assert got["staging_budget"] == 2 * chunk, (rank, key, got["staging_budget"])
+        assert out["share/experts/3001"]["experts"] == ([0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7])
