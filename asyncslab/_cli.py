@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import importlib
 import json
-import math
 import os
 import re
 import shlex
@@ -42,7 +41,7 @@ from ._progress import ProgressBar, format_bytes, format_duration, format_table
 from ._synthetic import (
     SyntheticCheckpoint,
     SyntheticSpec,
-    expected_tensors,
+    payload_bytes,
     spec_for_size,
     write_synthetic,
 )
@@ -825,19 +824,12 @@ def _describe_spec(spec: SyntheticSpec) -> str:
     )
 
 
-def _spec_bytes(spec: SyntheticSpec) -> int:
-    """The payload ``write_synthetic(spec)`` will write, from its layout alone."""
-    return sum(
-        math.prod(shape) * dtype.itemsize for dtype, shape in expected_tensors(spec).values()
-    )
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     asked: int = args.size
     spec = spec_for_size(asked)
     # The smallest model the demo writes is ~2 MiB, whatever was asked: announcing the
     # request would promise less than the disk is about to get.
-    size = _spec_bytes(spec)
+    size = payload_bytes(spec)
     raised = (
         f" (--size {format_bytes(asked)} is below the smallest the demo writes)"
         if size > asked * 1.1

@@ -29,6 +29,7 @@ __all__ = [
     "SyntheticCheckpoint",
     "SyntheticSpec",
     "expected_tensors",
+    "payload_bytes",
     "spec_for_size",
     "write_synthetic",
 ]
@@ -280,7 +281,8 @@ def _bytes_for(spec: SyntheticSpec, bits_sum_per_layer: Sequence[float]) -> floa
     return total
 
 
-def _exact_total_bytes(spec: SyntheticSpec) -> int:
+def payload_bytes(spec: SyntheticSpec) -> int:
+    """The tensor bytes :func:`write_synthetic` writes for ``spec``, from its layout alone."""
     tiers = _draw_tiers(spec)
     return int(_bytes_for(spec, [sum(t.values()) for t in tiers.values()]))
 
@@ -575,7 +577,7 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
         else min(candidates, key=lambda c: (c[0], c[1]))[2]
     )
 
-    exact = _exact_total_bytes(spec)
+    exact = payload_bytes(spec)
     n_shards = overrides.get("n_shards", max(3, math.ceil(exact / _MAX_SHARD_BYTES)))
     fill = overrides.get("fill", "pattern" if total_bytes > _PATTERN_ABOVE else "random")
     return replace(spec, n_shards=n_shards, fill=fill)
