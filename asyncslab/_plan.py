@@ -222,6 +222,16 @@ def _index(value: Any) -> int:
     return operator.index(value)
 
 
+def as_int(owner: str, name: str, value: Any) -> int:
+    """A rule's integer argument as an int (a NumPy or IntEnum one too). Anything else is
+    refused, naming it: ``rank=1.0`` from a float config planned float offsets the load
+    then failed on, and a NumPy count gave another layout fingerprint than the int."""
+    try:
+        return _index(value)
+    except TypeError:
+        raise PlanError(f"{owner}({name}={value!r}): expected an int") from None
+
+
 def index_number(text: str, what: str, info: TensorInfo) -> int:
     """A layer, expert or rank number from a tensor name, refusing absurd ones (Python's
     int() refuses over 4,300 digits with a bare ValueError; far fewer are already wrong)."""

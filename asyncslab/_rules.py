@@ -8,7 +8,6 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from numbers import Integral
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -27,6 +26,7 @@ from ._plan import (
     Route,
     Rule,
     SlabSpec,
+    as_int,
     index_number,
     make_route,
     mode_shape,
@@ -123,11 +123,7 @@ class Stack:
         if self.dtype is not None:
             _check_dtype(self.dtype, "Stack(dtype=...)")
         if self.count is not None:
-            # An int: a NumPy count became the slab's dims, and so another layout
-            # fingerprint than the same plan with count=4 (a reload would be refused).
-            if isinstance(self.count, bool) or not isinstance(self.count, Integral):
-                raise PlanError(f"Stack(count={self.count!r}): expected an int")
-            object.__setattr__(self, "count", int(self.count))
+            object.__setattr__(self, "count", as_int("Stack", "count", self.count))
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -199,12 +195,7 @@ class RowSlice:
 
     def __post_init__(self) -> None:
         for name in ("rank", "world"):
-            # An int: rank=1.0 (from a float config) planned float offsets and sizes, and
-            # the load failed on them; a NumPy int is taken as the int.
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, Integral):
-                raise PlanError(f"RowSlice({name}={value!r}): expected an int")
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, as_int("RowSlice", name, getattr(self, name)))
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         if not 0 <= self.rank < self.world:
