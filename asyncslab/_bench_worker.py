@@ -471,14 +471,15 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     gap = options.get("coalesce_gap", 64 << 10)
     sched = schedule(plan, max_read=read_size, gap=gap)
     base, total, _ = slab_layout(plan, torch.device("cpu"))
-    route_base = [base[r.slab] for r in plan.routes]
     buffer = torch.empty(max(1, total), dtype=torch.uint8)
     if task["mode"] == "warm-pretouched":
         buffer.fill_(1)
     fds = [os.open(str(f.path), os.O_RDONLY) for f in plan.files]
     scratch = torch.empty(max(1, gap), dtype=torch.uint8)
     # Destinations are worked out before the clock starts: the bound pays for syscalls only.
-    scatters = direct_scatters(sched.ops, buffer.data_ptr(), route_base, scratch.data_ptr())
+    start = buffer.data_ptr()
+    addresses = [start + base[r.slab] for r in plan.routes]
+    scatters = direct_scatters(sched.ops, addresses, scratch.data_ptr())
     jobs = [(fds[op.file], op.offset, sc) for op, sc in zip(sched.ops, scatters, strict=True)]
 
     def one_pass() -> float:

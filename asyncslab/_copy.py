@@ -32,18 +32,18 @@ __all__ = [
 
 
 def direct_scatters(
-    ops: Sequence[ReadOp], backing: int, route_base: Sequence[int], scratch: int
+    ops: Sequence[ReadOp], route_address: Sequence[int], scratch: int
 ) -> tuple[Scatter, ...]:
-    """Per read in ``ops``, where its bytes go: slots in the allocation at address
-    ``backing`` (a route's slab starts ``route_base[route]`` bytes in), gaps between
-    tensors to the scratch buffer at ``scratch`` (as large as the largest gap)."""
+    """Per read in ``ops``, where its bytes go: slots of slabs (route ``r``'s slab starts
+    at address ``route_address[r]``), gaps between tensors to the scratch buffer at
+    ``scratch`` (as large as the largest gap)."""
 
     def regions(op: ReadOp) -> Iterator[tuple[int, int]]:
         position = 0
         for route, read_offset, dst_offset, nbytes in op.pieces:
             if read_offset != position:
                 yield scratch, read_offset - position
-            yield backing + route_base[route] + dst_offset, nbytes
+            yield route_address[route] + dst_offset, nbytes
             position = read_offset + nbytes
 
     return tuple(scatter(regions(op)) for op in ops)
@@ -79,7 +79,7 @@ class Copier(Protocol):
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        backing: torch.Tensor,
+        route_bytes: Sequence[torch.Tensor],
         route_base: Sequence[int],
         stream_index: int,
     ) -> None: ...
@@ -93,11 +93,11 @@ class CpuCopier:
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        backing: torch.Tensor,
+        route_bytes: Sequence[torch.Tensor],
         route_base: Sequence[int],
         stream_index: int,
     ) -> None:
-        _copy_pieces(op, buffer, backing, route_base, non_blocking=False)
+        _copy_pieces(op, buffer, route_bytes, route_base, non_blocking=False)
 
 
 class CudaCopier:
@@ -122,7 +122,7 @@ class CudaCopier:
         self,
         op: ReadOp,
         buffer: torch.Tensor,
-        backing: torch.Tensor,
+        route_bytes: Sequence[torch.Tensor],
         route_base: Sequence[int],
         stream_index: int,
     ) -> None:
@@ -134,7 +134,7 @@ class CudaCopier:
         stream = self.streams[stream_index % len(self.streams)]
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             try:
-                _copy_pieces(op, buffer, backing, route_base, non_blocking=True)
+                _copy_pieces(op, buffer, route_bytes, route_base, non_blocking=True)
                 # In the try: if recording failed, the copies enqueued must still finish
                 # before the caller reuses the buffer.
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -154,7 +154,7 @@ class CudaCopier:
 def _copy_pieces(
     op: ReadOp,
     buffer: torch.Tensor,
-    backing: torch.Tensor,
+    route_bytes: Sequence[torch.Tensor],
     route_base: Sequence[int],
     *,
     non_blocking: bool,
@@ -164,7 +164,7 @@ def _copy_pieces(
     src: list[torch.Tensor] = []
     for route, read_offset, dst_offset, nbytes in op.pieces:
         start = route_base[route] + dst_offset
-        dst.append(backing[start : start + nbytes])
+        dst.append(route_bytes[route][start : start + nbytes])
         src.append(buffer[read_offset : read_offset + nbytes])
     # One call for all pieces: each torch call releases and retakes the GIL, and a copy per
     # piece (~23 per read) made staging threads queue for it (see STAGED_SYSCALL_BYTES).

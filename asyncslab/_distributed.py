@@ -1059,6 +1059,11 @@ class _RouteIndex:
     """
 
     def __init__(self, plan: Plan, slabs: SlabSet) -> None:
+        if slabs._given is not None:
+            raise LoadError(
+                "share_reads=True writes into slabs asyncslab allocated; these were given "
+                "(tensors=): load them without share_reads"
+            )
         index = {f.path: i for i, f in enumerate(plan.files)}
         per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
         route_base = slabs._route_base

@@ -694,6 +694,16 @@ class Checkpoint:
             return cls._open(path)
 
     @classmethod
+    def open_files(cls, paths: Iterable[str | os.PathLike[str]]) -> Checkpoint:
+        """The checkpoint made of exactly these ``.safetensors`` files (as an engine chose
+        them), in this order; no index is read. A tensor in two of them is an error."""
+        files = [Path(p) for p in paths]
+        if not files:
+            raise MissingFileError("no .safetensors files given", file=Path("."))
+        with _gc_paused():
+            return cls._of_files(files[0].parent, files, None, None, {})
+
+    @classmethod
     def _open(cls, path: Path) -> Checkpoint:
         index: _Index | None = None
         index_files: dict[str, Path] = {}
@@ -725,7 +735,17 @@ class Checkpoint:
             index = _read_index(index_path)
             index_files = _index_files(root, index)
             paths = list(index_files.values())
+        return cls._of_files(root, paths, index_path, index, index_files)
 
+    @classmethod
+    def _of_files(
+        cls,
+        root: Path,
+        paths: Sequence[Path],
+        index_path: Path | None,
+        index: _Index | None,
+        index_files: dict[str, Path],
+    ) -> Checkpoint:
         files: list[ShardFile] = []
         per_file: list[list[TensorInfo]] = []
         for file_path in paths:

@@ -227,7 +227,15 @@ class SlabSet:
     :meth:`aclose`, which cancels a running load and frees the slabs.
     """
 
-    def __init__(self, plan: Plan, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        device: str | torch.device | None = None,
+        *,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        if device is None:
+            device = _device_of(tensors) if tensors else "cpu"
         self.device = torch.device(device)
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
@@ -239,18 +247,31 @@ class SlabSet:
             # their streams, events and registrations would be on the wrong one).
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
-        # One allocation holds every slab; slab tensors are views of it, made when first
-        # asked for. A slab of its own each cost ~20 µs (allocation, views, a buffer for
-        # reads): seconds for a plan of 300,000 small tensors.
-        self._offset, total, empty = slab_layout(plan, self.device)
-        try:
-            self._backing = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
-        except RuntimeError as err:
-            raise LoadError(
-                f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on {self.device}: "
-                f"{first_line(err)}"
-            ) from err
         self._tensors: dict[str, torch.Tensor] = {}
+        # Per slab: the byte tensor it lies in and where in it it starts.
+        self._given: dict[str, torch.Tensor] | None = None
+        if tensors is not None:
+            # An engine's own tensors (its parameters, or views of them): written in place,
+            # never reallocated; the SlabSet gates access to them as to its own slabs.
+            self._given = _given_bytes(plan, tensors, self.device)
+            self._tensors.update(tensors)
+            self._offset = dict.fromkeys(plan.slabs, 0)
+            self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
+            empty: list[str] = []
+        else:
+            # One allocation holds every slab; slab tensors are views of it, made when first
+            # asked for. A slab of its own each cost ~20 µs (allocation, views, a buffer for
+            # reads): seconds for a plan of 300,000 small tensors.
+            self._offset, total, empty = slab_layout(plan, self.device)
+            try:
+                self._backing = torch.empty(
+                    max(total, 1), dtype=torch.uint8, device=self.device
+                )
+            except RuntimeError as err:
+                raise LoadError(
+                    f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on "
+                    f"{self.device}: {first_line(err)}"
+                ) from err
         for name in empty:
             spec = plan.slabs[name]
             # A zero-size shape whose other dimensions pass 2**63 is valid in a header but
@@ -497,6 +518,8 @@ class SlabSet:
         self._task = None
         self._closed = True
         self._tensors.clear()
+        self._given = None
+        self._route_bytes = []
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     async def __aenter__(self) -> SlabSet:
@@ -518,10 +541,14 @@ class SlabSet:
 
     def _adopt(self, plan: Plan) -> None:
         self._run_plan = plan
-        # Per route: where its slab starts in the backing.
-        self._route_base = list(
-            map(self._offset.__getitem__, map(operator.attrgetter("slab"), plan.routes))
-        )
+        # Per route: the byte tensor its slab lies in (the backing, or a given tensor's
+        # bytes), and where in it the slab starts.
+        slabs = list(map(operator.attrgetter("slab"), plan.routes))
+        self._route_base = list(map(self._offset.__getitem__, slabs))
+        if self._given is None:
+            self._route_bytes = [self._backing] * len(slabs)
+        else:
+            self._route_bytes = list(map(self._given.__getitem__, slabs))
         self._tracker = Tracker(plan)
         # Plans are immutable and the backing stays put, so a reload with the same options
         # reuses its reads, destinations included.
@@ -809,7 +836,7 @@ class SlabSet:
             # writes into these slabs (or a staging buffer) when it wakes: closing the fd now
             # would let an unrelated open reuse its number, and aclose() would free the
             # memory under it. Keep all of them until the last such read returns.
-            keep = [self._backing, read_plans]
+            keep = [self._backing, self._given, read_plans]
             pool.when_idle(lambda: _release(list(fds.values()), staging, mappings, keep))
             self._broken = (
                 "a read thread did not return within read_timeout and may still write "
@@ -844,9 +871,13 @@ class SlabSet:
         if transfer == "staged":
             return _Reads(sched)
         scratch = torch.empty(max(1, gap), dtype=torch.uint8)
-        scatters = direct_scatters(
-            sched.ops, self._backing.data_ptr(), self._route_base, scratch.data_ptr()
-        )
+        if self._given is None:
+            start = self._backing.data_ptr()
+            addresses = [start + base for base in self._route_base]
+        else:
+            at = {name: given.data_ptr() for name, given in self._given.items()}
+            addresses = [at[route.slab] for route in plan.routes]
+        scatters = direct_scatters(sched.ops, addresses, scratch.data_ptr())
         return _Reads(sched, scatters, scratch)
 
     def _direct_reads(
@@ -919,7 +950,7 @@ class SlabSet:
                 owner = slabs()
                 if owner is None:  # a read stuck past read_timeout, returning too late
                     raise LoadError("the SlabSet is gone")
-                copier.copy(op, source, owner._backing, route_base, worker)
+                copier.copy(op, source, owner._route_bytes, route_base, worker)
             except Exception as err:
                 first = routes[op.pieces[0][0]]
                 raise LoadError(
@@ -1094,6 +1125,60 @@ def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, 
         if nbytes == 0:
             empty.append(name)
     return offsets, total, empty
+
+
+def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
+    return next(iter(tensors.values())).device
+
+
+def _given_bytes(
+    plan: Plan, tensors: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each given slab tensor's bytes, after checking that the tensors are the plan's slabs
+    exactly: every slab one, of its dtype and shape, contiguous, on ``device``, and no two
+    sharing a byte (each byte is written once; two slabs in one would be a race)."""
+    missing = [name for name in plan.slabs if name not in tensors]
+    extra = [name for name in tensors if name not in plan.slabs]
+    if missing or extra:
+        what = f"no tensor for slab {missing[0]!r}" if missing else f"{extra[0]!r} is no slab"
+        raise PlanError(
+            f"tensors= must hold one tensor per slab of the plan: {what} "
+            f"({len(missing)} missing, {len(extra)} not in the plan)",
+            slab=(missing or extra)[0],
+        )
+    spans: list[tuple[int, int, str]] = []
+    given: dict[str, torch.Tensor] = {}
+    for name, spec in plan.slabs.items():
+        tensor = tensors[name]
+        got = (tensor.dtype, tuple(tensor.shape))
+        if got != (spec.dtype, spec.shape):
+            raise PlanError(
+                f"tensor for slab {name!r} is {got[0]} {list(got[1])}, the plan's slab "
+                f"{spec.dtype} {list(spec.shape)}",
+                slab=name,
+                expected=(spec.dtype, spec.shape),
+                got=got,
+            )
+        if tensor.device != device:
+            raise PlanError(f"tensor for slab {name!r} is on {tensor.device}, not {device}", slab=name)
+        if not tensor.is_contiguous():
+            raise PlanError(
+                f"tensor for slab {name!r} is not contiguous: reads write its bytes in order",
+                slab=name,
+            )
+        flat = tensor.detach().reshape(-1).view(torch.uint8)
+        given[name] = flat
+        if spec.nbytes:
+            spans.append((flat.data_ptr(), flat.data_ptr() + spec.nbytes, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise PlanError(
+                f"the tensors for slabs {first!r} and {second!r} share memory: a byte would "
+                "be written twice",
+                slab=second,
+            )
+    return given
 
 
 class _Ticker:

@@ -179,11 +179,13 @@ def make_route(
     slot: tuple[int, ...],
     *,
     rows: tuple[int, int] | None = None,
+    elements: tuple[int, int] | None = None,
     **context: Any,
 ) -> Route:
-    """A route for ``info`` (or its ``rows`` ``[start, stop)``) into ``slot`` of ``spec``;
-    rules call this, :func:`plan` checks it. The slot's indices may be any integers
-    (NumPy's, an ``IntEnum``): they are stored as ints; a bool or a float is refused."""
+    """A route for ``info`` (or its ``rows`` ``[start, stop)``, or its flat ``elements``
+    ``[start, stop)`` in storage order, as a 1-D slice) into ``slot`` of ``spec``; rules
+    call this, :func:`plan` checks it. The slot's indices may be any integers (NumPy's, an
+    ``IntEnum``): they are stored as ints; a bool or a float is refused."""
     try:
         slot = tuple(map(_index, slot))
     except TypeError:
@@ -202,6 +204,19 @@ def make_route(
         offset, nbytes = info.offset + start * row_bytes, (stop - start) * row_bytes
         shape = (stop - start, *info.shape[1:])
         context["slice_start"] = start * row_bytes
+    elif elements is not None:
+        try:
+            start, stop = map(_index, elements)
+        except TypeError:
+            raise PlanError(f"elements {elements}: expected two ints", tensor=info.name) from None
+        if not 0 <= start <= stop <= info.numel:
+            raise PlanError(
+                f"elements {elements} are outside the {info.numel} of shape {list(info.shape)}",
+                tensor=info.name,
+            )
+        size = info.dtype.itemsize
+        offset, nbytes, shape = info.offset + start * size, (stop - start) * size, (stop - start,)
+        context["slice_start"] = start * size
     return Route(
         tensor=info.name,
         file=info.file,
@@ -410,7 +425,11 @@ def _plan(
                     raise CoverageError(f"two rules define slab {spec.name!r}")
                 seen.add(spec.name)
         slabs.update(named)
-        owned = [*map(_TENSOR, claim.routes), *claim.checked, *claim.skipped]
+        placed = list(map(_TENSOR, claim.routes))
+        if len(set(placed)) != len(placed):  # slices of one tensor, or a fault
+            _check_slices(claim.routes, checkpoint, rule)
+            placed = list(dict.fromkeys(placed))
+        owned = [*placed, *claim.checked, *claim.skipped]
         # A column at a time, as in _valid; the loop below only names a fault.
         popped = list(map(pending.pop, owned, itertools.repeat(None)))
         for name in itertools.compress(owned, map(operator.is_, popped, itertools.repeat(None))):
@@ -465,8 +484,31 @@ def _plan(
         skipped=tuple(skipped),
         files=checkpoint.files,
         extras=MappingProxyType(extras),
-        _index=MappingProxyType(dict(zip(map(_TENSOR, routes), itertools.count()))),
+        # A tensor sliced into several routes is found at its first.
+        _index=MappingProxyType(
+            dict(zip(map(_TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1)))
+        ),
     )
+
+
+def _check_slices(routes: Sequence[Route], checkpoint: Checkpoint, rule: Rule) -> None:
+    """A tensor may have several routes of one rule only as slices reading disjoint bytes
+    of it (a tensor-parallel rank's columns, row by row): anything else routes it twice."""
+    by_tensor: dict[str, list[Route]] = defaultdict(list)
+    for route in routes:
+        by_tensor[route.tensor].append(route)
+    for name, group in by_tensor.items():
+        if len(group) == 1:
+            continue
+        spans = sorted((r.src_offset, r.src_offset + r.nbytes, r.shape) for r in group)
+        disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        if not disjoint or any(shape is None for _, _, shape in spans):
+            raise CoverageError(
+                f"routed twice (rule {type(rule).__name__} routes it {len(group)} times, "
+                "not as disjoint slices)",
+                file=checkpoint.tensors[name].file if name in checkpoint.tensors else None,
+                tensor=name,
+            )
 
 
 _TENSOR = operator.attrgetter("tensor")
@@ -495,13 +537,13 @@ def _reads_its_tensor(route: Route, info: TensorInfo) -> bool:
         return route.src_offset == info.offset and route.nbytes == info.nbytes
     start, rows = route.slice_start, info.shape[0] if info.shape else 0
     row_bytes = info.nbytes // rows if rows else 0
-    return (
-        tuple(route.shape[1:]) == info.shape[1:]  # a custom rule may give a list
-        and 0 <= start
-        and start + route.nbytes <= info.nbytes
-        and (start % row_bytes == 0 if row_bytes else start == 0)
-        and route.src_offset == info.offset + start
-    )
+    within = 0 <= start and start + route.nbytes <= info.nbytes
+    if not within or route.src_offset != info.offset + start:
+        return False
+    if tuple(route.shape[1:]) == info.shape[1:]:  # a custom rule may give a list
+        return start % row_bytes == 0 if row_bytes else start == 0  # whole rows
+    # A flat run of elements (make_route(elements=...)).
+    return len(route.shape) == 1 and start % info.dtype.itemsize == 0
 
 
 def _valid(
@@ -636,7 +678,13 @@ def _validate(
             )
         if not _reads_its_tensor(route, info):
             end = route.src_offset + route.nbytes
-            what = "its bytes" if route.shape is None else "whole rows of it"
+            what = (
+                "its bytes"
+                if route.shape is None
+                else "a run of its elements"
+                if len(route.shape) == 1
+                else "whole rows of it"
+            )
             raise PlanError(
                 f"reads bytes [{route.src_offset}, {end}) of {route.file}, not {what}: the "
                 f"tensor lies at [{info.offset}, {info.offset + info.nbytes}) of {info.file} "

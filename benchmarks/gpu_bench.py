@@ -208,6 +208,7 @@ class _DeviceSlabs:
         self.base, total, _ = slab_layout(plan, torch.device(device))
         self.backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
         self.route_base = [self.base[r.slab] for r in plan.routes]
+        self.route_bytes = [self.backing] * len(plan.routes)
 
     def slot_bytes(self, route: Any) -> Any:
         start = self.base[route.slab] + route.dst_offset
@@ -247,7 +248,7 @@ def pipeline_bound(
         read_staged(fds[op.file], op, buffer, "pipeline")
         stream = streams[i % len(streams)]
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            _copy_pieces(op, buffer, slabs.backing, slabs.route_base, non_blocking=True)
+            _copy_pieces(op, buffer, slabs.route_bytes, slabs.route_base, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         pending[i][slot] = event
@@ -330,7 +331,7 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
             for i, op in enumerate(ops):
                 with torch.cuda.stream(streams[i % len(streams)]):
                     view = sources[op.file][op.offset : op.offset + op.nbytes]
-                    _copy_pieces(op, view, slabs.backing, slabs.route_base, non_blocking=True)
+                    _copy_pieces(op, view, slabs.route_bytes, slabs.route_base, non_blocking=True)
         torch.cuda.synchronize(device)
         end = time.perf_counter()
         out.update(copy_s=end - t_copy, seconds=end - t, gbps=plan.nbytes / (end - t) / 1e9)

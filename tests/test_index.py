@@ -645,3 +645,21 @@ def test_a_nul_in_an_index_file_name_is_an_unsafe_path(two_shards: Path) -> None
         Checkpoint.open(two_shards)
     assert info.value.file == str(idx)
     assert repr("b\x00.safetensors") in info.value.message
+
+
+def test_open_files_opens_exactly_the_files_given(tmp_path: Path) -> None:
+    """An engine chooses the shard files itself (vLLM filters them through the index, or by
+    patterns): ``open_files`` takes that list, in its order, and reads no index."""
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "one.safetensors"))
+    save_file({"b": torch.ones(3)}, str(tmp_path / "two.safetensors"))
+    save_file({"c": torch.ones(1)}, str(tmp_path / "stale.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    ckpt = Checkpoint.open_files([tmp_path / "two.safetensors", str(tmp_path / "one.safetensors")])
+    assert list(ckpt.tensors) == ["b", "a"] and ckpt.index is None
+    save_file({"a": torch.ones(1)}, str(tmp_path / "again.safetensors"))
+    with pytest.raises(DuplicateTensorError):
+        Checkpoint.open_files([tmp_path / "one.safetensors", tmp_path / "again.safetensors"])
+    with pytest.raises(MissingFileError):
+        Checkpoint.open_files([])
+    with pytest.raises(MissingFileError):
+        Checkpoint.open_files([tmp_path / "gone.safetensors"])
