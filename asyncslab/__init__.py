@@ -13,6 +13,9 @@ from ._errors import (
     BindError as BindError,
 )
 from ._errors import (
+    CaptureError as CaptureError,
+)
+from ._errors import (
     CheckpointError as CheckpointError,
 )
 from ._errors import (
@@ -140,6 +143,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AsyncSlabError",
     "BindError",
+    "CaptureError",
     "Checkpoint",
     "CheckpointError",
     "Claim",

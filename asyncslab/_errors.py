@@ -38,6 +38,7 @@ __all__ = [
     "ShapeMismatchError",
     "CoverageError",
     "UnmatchedTensorError",
+    "CaptureError",
     "LoadError",
     "ReadError",
     "ReadTimeoutError",
@@ -202,6 +203,11 @@ class UnmatchedTensorError(PlanError):
 
 
 # --- loading -----------------------------------------------------------------------------
+
+
+class CaptureError(PlanError):
+    """An engine's own weight loader refused the checkpoint while asyncslab recorded where
+    it puts each tensor (no payload read yet); ``tensor`` is the one it was handling."""
 
 
 class LoadError(AsyncSlabError, RuntimeError):
