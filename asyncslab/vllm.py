@@ -1,0 +1,11 @@
+"""vLLM's load format ``asyncslab`` (``pip install "asyncslab[vllm]"``, then
+``vllm serve MODEL --load-format asyncslab``). Importing this module imports vLLM.
+See ``docs/vllm.md``."""
+
+from ._vllm import LOAD_FORMAT as LOAD_FORMAT
+from ._vllm import AsyncSlabLoader as AsyncSlabLoader
+from ._vllm import LoadReport as LoadReport
+from ._vllm import options_from_config as options_from_config
+from ._vllm import register as register
+
+__all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]

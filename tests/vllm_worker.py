@@ -1,0 +1,248 @@
+"""Runs vLLM for ``tests/test_vllm.py``, in a process of its own (vLLM sets up torch, its
+distributed state and logging process-wide; the test process stays as it was).
+
+``python tests/vllm_worker.py loads CASES.json OUT.json``: per case, a model created the way
+vLLM creates it and loaded with the case's load format, in this process; recorded: every
+parameter's bytes compared with ``auto``'s (before ``process_weights_after_loading``, which
+repacks on the CPU), whether every parameter kept its address, the loader's report, or the
+error raised (type, message, the error's ``tensor``).
+
+``python tests/vllm_worker.py generate CASES.json OUT.json``: per case, ``LLM(...)`` with
+each load format in turn (in this process: ``distributed_executor_backend="uni"``), the
+greedy tokens of a few prompts, and the same byte and pointer checks around the loader's
+``load_weights``.
+
+``python tests/vllm_worker.py tp CASES.json OUT.json``: per case, tensor parallelism over two
+ranks (vLLM's worker processes) with each format: greedy tokens, and each rank's report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+PROMPTS = ["w1 w2 w3 w4", "w9 w8", "w100 w5 w7"]
+
+
+def _bytes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: p.detach().reshape(-1).view(torch.uint8).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def _error(err: BaseException) -> dict[str, Any]:
+    return {
+        "error": type(err).__name__,
+        "bases": [c.__name__ for c in type(err).__mro__],
+        "message": str(err),
+        "tensor": getattr(err, "tensor", None),
+        "cause": None if err.__cause__ is None else repr(err.__cause__),
+    }
+
+
+@contextlib.contextmanager
+def _watching(
+    record: dict[str, Any], snapshots: dict[str, dict[str, torch.Tensor]]
+) -> Iterator[None]:
+    """Wrap both loaders' ``load_weights``: addresses before and after, bytes after."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from asyncslab._vllm import AsyncSlabLoader
+
+    originals: list[tuple[type, Callable[..., Any]]] = []
+    for cls in (DefaultModelLoader, AsyncSlabLoader):
+        original = cls.load_weights
+
+        def wrapped(self: Any, model: Any, model_config: Any, _orig: Any = original) -> None:
+            before = {n: p.data_ptr() for n, p in model.named_parameters()}
+            _orig(self, model, model_config)
+            after = {n: p.data_ptr() for n, p in model.named_parameters()}
+            fmt = self.load_config.load_format
+            record.setdefault("pointers_kept", {})[fmt] = before == after
+            snapshots[fmt] = _bytes(model)
+            report = getattr(self, "report", None)
+            if report is not None:
+                record["report"] = dataclasses.asdict(report)
+
+        originals.append((cls, original))
+        cls.load_weights = wrapped  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for cls, original in originals:
+            cls.load_weights = original  # type: ignore[method-assign]
+
+
+def _compare(snapshots: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    auto, ours = snapshots.get("auto"), snapshots.get("asyncslab")
+    if auto is None or ours is None:
+        return {}
+    differ = sorted(n for n in auto if n not in ours or not torch.equal(auto[n], ours[n]))
+    return {"parameters": len(auto), "differ": differ, "same_names": set(auto) == set(ours)}
+
+
+def loads(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    import asyncslab.vllm  # noqa: F401 - registers the format, as the plugin does
+
+    # vLLM's parallel groups, once, from the first case: an MoE model's, so that the
+    # expert-parallel group exists for the MoE cases too.
+    first = EngineArgs(model=cases[0]["model"], max_model_len=128, enforce_eager=True)
+    with set_current_vllm_config(first.create_engine_config()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"file://{tempfile.mktemp()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+    out: dict[str, Any] = {}
+    for case in cases:
+        record: dict[str, Any] = {}
+        snapshots: dict[str, dict[str, torch.Tensor]] = {}
+        try:
+            for fmt in case.get("formats", ["auto", "asyncslab"]):
+                args = EngineArgs(
+                    model=case["model"],
+                    load_format=fmt,
+                    dtype=case.get("dtype", "bfloat16"),
+                    max_model_len=128,
+                    enforce_eager=True,
+                    model_loader_extra_config=case.get("extra", {}) if fmt != "auto" else {},
+                )
+                config = args.create_engine_config()
+                with set_current_vllm_config(config), _watching(record, snapshots):
+                    loader = get_model_loader(config.load_config)
+                    with set_default_torch_dtype(config.model_config.dtype), torch.device("cpu"):
+                        model = loader.create_model(
+                            vllm_config=config, model_config=config.model_config
+                        )
+                    if case.get("change_before_read"):
+                        _change_before_read(Path(case["change_before_read"]))
+                    loader.load_weights(model, config.model_config)
+                del model
+                gc.collect()
+        except Exception as err:  # recorded for the test to judge
+            record.update(_error(err))
+        record.update(_compare(snapshots))
+        out[case["name"]] = record
+    return out
+
+
+def _change_before_read(path: Path) -> None:
+    """Replace ``path`` (same size, other bytes) once the plan is made, before any read."""
+    import asyncslab._vllm as glue
+
+    real = glue.SlabSet
+
+    class Changing(real):  # type: ignore[misc, valid-type]
+        async def load(self, *args: Any, **kwargs: Any) -> Any:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(bytes(data))
+            os.replace(tmp, path)
+            glue.SlabSet = real  # once
+            return await super().load(*args, **kwargs)
+
+    glue.SlabSet = Changing  # type: ignore[misc]
+
+
+def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    import asyncslab.vllm  # noqa: F401
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        record: dict[str, Any] = {"tokens": {}}
+        snapshots: dict[str, dict[str, torch.Tensor]] = {}
+        for fmt in ("auto", "asyncslab"):
+            with _watching(record, snapshots):
+                llm = LLM(
+                    model=case["model"],
+                    load_format=fmt,
+                    dtype=case.get("dtype", "bfloat16"),
+                    max_model_len=128,
+                    max_num_seqs=4,
+                    enforce_eager=True,
+                    distributed_executor_backend="uni",
+                )
+                results = llm.generate(
+                    PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+                )
+            record["tokens"][fmt] = [list(r.outputs[0].token_ids) for r in results]
+            del llm, results
+            gc.collect()
+        record.update(_compare(snapshots))
+        out[case["name"]] = record
+    return out
+
+
+def _last_report(worker: Any) -> dict[str, Any] | None:
+    from asyncslab._vllm import AsyncSlabLoader
+
+    report = AsyncSlabLoader.last_report
+    return None if report is None else dataclasses.asdict(report)
+
+
+def tensor_parallel(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per case, ``LLM(tensor_parallel_size=2)`` with each format (vLLM's own worker
+    processes, one per rank): greedy tokens, and each rank's asyncslab report."""
+    from vllm import LLM, SamplingParams
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        record: dict[str, Any] = {"tokens": {}}
+        for fmt in ("auto", "asyncslab"):
+            llm = LLM(
+                model=case["model"],
+                load_format=fmt,
+                dtype=case.get("dtype", "bfloat16"),
+                max_model_len=128,
+                max_num_seqs=4,
+                enforce_eager=True,
+                tensor_parallel_size=2,
+            )
+            results = llm.generate(
+                PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+            )
+            record["tokens"][fmt] = [list(r.outputs[0].token_ids) for r in results]
+            if fmt == "asyncslab":
+                record["reports"] = llm.collective_rpc(_last_report)
+            del llm, results
+            gc.collect()
+        out[case["name"]] = record
+    return out
+
+
+def main() -> None:
+    what, cases_path, out_path = sys.argv[1:4]
+    cases = json.loads(Path(cases_path).read_text())
+    result = {"loads": loads, "generate": generate, "tp": tensor_parallel}[what](cases)
+    Path(out_path).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
