@@ -6,6 +6,8 @@
 # put its wheel in .whl/ first (pip download --no-deps -d .whl pytest-asyncio==1.5.0) and
 # carry it. Each step has a time limit (both within one 10-minute command), so that a hang
 # in one still leaves the other's results; the benchmark's JSON is rewritten after each row.
+# Where vLLM is importable, VLLM_BENCH_TIMEOUT=N (seconds; default 0: skipped, it does not
+# fit the same 10 minutes) adds benchmarks/vllm_bench.py --device cuda, one round.
 set -uo pipefail
 results=${RESULTS:-${OUT:-gpu-results}}
 mkdir -p "$results"
@@ -35,3 +37,11 @@ timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda.py tests/
   -p no:cacheprovider -rs 2>&1 | tee "$results/pytest_cuda.log"
 timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"
+if [ "${VLLM_BENCH_TIMEOUT:-0}" -gt 0 ]; then
+  if python3 -c "import vllm" 2>/dev/null; then
+    timeout -k 10 "$VLLM_BENCH_TIMEOUT" python3 benchmarks/vllm_bench.py --device cuda \
+      --rounds 1 --json "$results/vllm_bench.json" 2>&1 | tee "$results/vllm_bench.log"
+  else
+    echo "vLLM is not importable here: benchmarks/vllm_bench.py skipped" | tee "$results/vllm_bench.log"
+  fi
+fi

@@ -323,3 +323,28 @@ async def test_cuda_copies_wait_for_work_queued_on_the_current_stream(
     torch.cuda.synchronize()
     assert_bit_identical(slabs, ckpt)
     await slabs.aclose()
+
+
+@pytest.mark.parametrize("transfer", ["staged", "mapped"])
+async def test_cuda_load_into_given_device_tensors_keeps_their_memory(
+    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+) -> None:
+    """An engine's parameters on the GPU as the slabs (``tensors=``): copied into in place,
+    bit-identical, and left allocated when the SlabSet closes."""
+    ckpt = Checkpoint.open(moe_checkpoint.root)
+    p = plan(ckpt)
+    given = {name: torch.empty(spec.shape, dtype=spec.dtype, device="cuda") for name, spec in p.slabs.items()}
+    addresses = {name: t.data_ptr() for name, t in given.items()}
+    slabs = SlabSet(p, tensors=given)
+    assert slabs.device.type == "cuda"
+    options = LoadOptions(transfer=transfer, staging_bytes=4 * (64 << 10), staging_buffers=4)  # type: ignore[arg-type]
+    await slabs.load(ckpt, options=options)
+    assert_bit_identical(slabs, ckpt)
+    await slabs.aclose()
+    for name, tensor in given.items():
+        assert tensor.data_ptr() == addresses[name]
+    with safe_open(ckpt.files[0].path, framework="pt") as f:
+        name = next(iter(f.keys()))  # noqa: SIM118
+        route = p.route(name)
+        if route.shape is None and not p.slabs[route.slab].slot_dims:
+            assert torch.equal(raw_bytes(given[route.slab]), raw_bytes(f.get_tensor(name)))

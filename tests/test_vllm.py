@@ -327,3 +327,26 @@ def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
     text = log.read_text()
     assert code != 0
     assert "CoverageError" in text and MISSING in text, text[-6000:]
+
+
+def test_the_benchmark_compares_formats_on_the_same_bytes(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """benchmarks/vllm_bench.py, one round of two formats and a bound on the tiny Mixtral:
+    both load the same parameter bytes (its checksum), keep vLLM's pointers, and the
+    report has every phase."""
+    run = subprocess.run(
+        [
+            sys.executable, str(HERE.parent / "benchmarks" / "vllm_bench.py"),
+            "--model", str(models["mixtral"]), "--rounds", "1",
+            "--only", "auto,asyncslab,bound-preadv-fresh", "--json", str(tmp_path / "b.json"),
+        ],
+        env=_env(), capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "parameter checksums after load_weights: equal" in run.stdout
+    rows = {r["contender"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    assert set(rows) == {"auto", "asyncslab", "bound-preadv-fresh"}
+    for name in ("auto", "asyncslab"):
+        assert rows[name]["pointers_kept"] and rows[name]["process_weights_s"] >= 0
+    assert rows["asyncslab"]["transformed"] == 0 and rows["asyncslab"]["capture_s"] > 0

@@ -7,7 +7,6 @@ Weights are transformers' own random initialisation (seeded), made in the model'
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,36 +15,38 @@ import torch
 VOCAB = 250  # not a multiple of 64: vLLM pads the vocabulary, and zero-fills the padding
 
 
-def _llama(t: Any, **kw: Any) -> Any:
-    return t.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=256, tie_word_embeddings=False, **kw,
-    )  # fmt: skip
+_COMMON: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 
-
-def _mixtral(t: Any, **kw: Any) -> Any:
-    return t.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=256, tie_word_embeddings=False, **kw,
-    )  # fmt: skip
-
-
-def _qwen2_moe(t: Any, **kw: Any) -> Any:
-    return t.Qwen2MoeConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False, decoder_sparse_step=1,
-        **kw,
-    )  # fmt: skip
-
-
-CONFIGS: dict[str, tuple[str, Callable[..., Any]]] = {
-    "llama": ("LlamaForCausalLM", _llama),
-    "mixtral": ("MixtralForCausalLM", _mixtral),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", _qwen2_moe),
+#: Per architecture: the transformers class, its config class and the tiny defaults.
+CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig", {**_COMMON, "intermediate_size": 128}),
+    "mixtral": (
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        {**_COMMON, "intermediate_size": 64, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        {
+            **_COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+        },
+    ),
 }
 
 
@@ -63,8 +64,10 @@ def write_model(
     tiny defaults (the benchmark's sizes)."""
     import transformers
 
-    class_name, make = CONFIGS[arch]
-    cfg = make(transformers, bos_token_id=1, eos_token_id=2, **config)
+    class_name, config_name, defaults = CONFIGS[arch]
+    cfg = getattr(transformers, config_name)(
+        **{**defaults, **config}, bos_token_id=1, eos_token_id=2
+    )
     cfg.dtype = dtype
     torch.manual_seed(seed)
     default = torch.get_default_dtype()
