@@ -147,9 +147,9 @@ class _Origin:
     itemsize: int = 0
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, targets: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.current: str | None = None
         self.yielded: list[str] = []
         self._targets: list[tuple[str, torch.Tensor]] = []
@@ -163,7 +163,7 @@ class _Recorder(TorchDispatchMode):
                 continue
             self._target_of[ptr] = len(self._targets)
             flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            flat.set_(storage, 0, (storage.nbytes(),))
+            flat.set_(storage, 0, (storage.nbytes(),), (1,))
             self._targets.append((name, flat))
         self._origins: dict[int, _Origin] = {}
         self._keep: list[torch.Tensor] = []  # stand-ins and derived tensors: their pointers
@@ -255,7 +255,9 @@ class _Recorder(TorchDispatchMode):
             # made, never filled.
             src = args[0]
             out = torch.empty(src.shape, dtype=src.dtype, device=_device(func, args, kwargs))
-            base = origins[0].base + src.storage_offset() * src.element_size()
+            start = origins[0].base
+            assert start is not None
+            base = start + int(src.storage_offset()) * src.element_size()
             self._keep.append(out)
             if out.numel():
                 self._origins[out.untyped_storage().data_ptr()] = _Origin(
@@ -303,14 +305,14 @@ class _Recorder(TorchDispatchMode):
         elif tuple(src.shape) != tuple(dst.shape):
             why = f"the copy broadcasts {list(src.shape)} to {list(dst.shape)}"
         runs = None
-        if why is None:
+        if why is None and origin.base is not None:
             itemsize = src.element_size()
             runs = _runs(
                 dst.shape,
                 itemsize,
-                origin.base + src.storage_offset() * itemsize,
+                origin.base + int(src.storage_offset()) * itemsize,
                 src.stride(),
-                dst.storage_offset() * itemsize,
+                int(dst.storage_offset()) * itemsize,
                 dst.stride(),
             )
             if runs is None:
@@ -424,14 +426,13 @@ def _runs(
 def _spans(view: torch.Tensor) -> list[tuple[int, int]]:
     """The byte ranges of its storage that a strided view covers, merged."""
     itemsize = view.element_size()
-    runs = _runs(
-        view.shape, itemsize, 0, view.stride(), view.storage_offset() * itemsize, view.stride()
-    )
+    offset = int(view.storage_offset())
+    runs = _runs(view.shape, itemsize, 0, view.stride(), offset * itemsize, view.stride())
     if runs is None:  # very fragmented: element by element
         runs = []
         dims = [(n, s) for n, s in zip(view.shape, view.stride(), strict=True) if n != 1]
         for index in itertools.product(*(range(n) for n, _ in dims)):
-            at = view.storage_offset() + sum(i * s for i, (_, s) in zip(index, dims, strict=True))
+            at = offset + sum(i * s for i, (_, s) in zip(index, dims, strict=True))
             runs.append((0, at * itemsize, itemsize))
     spans: list[tuple[int, int]] = []
     for _, d, n in sorted(runs, key=lambda r: r[1]):

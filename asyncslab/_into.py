@@ -25,7 +25,7 @@ from types import MappingProxyType
 import torch
 
 from ._capture import Capture
-from ._errors import CoverageError, PlanError
+from ._errors import CoverageError
 from ._format import Checkpoint, TensorInfo
 from ._plan import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._rules import Dense
@@ -143,32 +143,30 @@ def _check_coverage(captured: Capture, required: Sequence[tuple[str, torch.Tenso
     for target, spans in writes.items():
         spans.sort()
         end, last = -1, ""
-        for a, b, tensor in spans:
-            if a < end and tensor != last:
+        for a, b, source in spans:
+            if a < end and source != last:
                 name = captured.targets[target][0]
                 raise CoverageError(
-                    f"{tensor!r} and {last!r} both write bytes [{a}, {min(b, end)}) of "
+                    f"{source!r} and {last!r} both write bytes [{a}, {min(b, end)}) of "
                     f"{name!r}: a byte may come from one checkpoint tensor only",
-                    tensor=tensor,
+                    tensor=source,
                     slab=name,
                 )
             if b > end:
-                end, last = b, tensor
+                end, last = b, source
         covered[target].extend((a, b) for a, b, _ in spans)
     for fill in captured.fills:
         covered[fill.target].append((fill.start, fill.end))
     merged = {t: _merge(spans) for t, spans in covered.items()}
-    by_ptr = {
-        flat.untyped_storage().data_ptr(): i for i, (_, flat) in enumerate(captured.targets)
-    }
+    by_ptr = {flat.untyped_storage().data_ptr(): i for i, (_, flat) in enumerate(captured.targets)}
     writers = _writers(captured)
     for name, tensor in required:
         if not tensor.numel():
             continue
-        target = by_ptr.get(tensor.untyped_storage().data_ptr())
-        start = tensor.storage_offset() * tensor.element_size()
+        found = by_ptr.get(tensor.untyped_storage().data_ptr())
+        start = int(tensor.storage_offset()) * tensor.element_size()
         end = start + tensor.numel() * tensor.element_size()
-        holes = _holes(merged.get(target, []) if target is not None else [], start, end)
+        holes = _holes(merged.get(found, []) if found is not None else [], start, end)
         if holes:
             a, b = holes[0]
             guess = _guess(name, a - start, b - start, writers, required)
@@ -236,7 +234,7 @@ def _guess(
     filled: that tensor's name, with the sibling's numbers put back to ``name``'s."""
     shape = _NUMBER.sub("#", name)
     mine = _NUMBER.findall(name)
-    offsets = {n: t.storage_offset() * t.element_size() for n, t in required}
+    offsets = {n: int(t.storage_offset()) * t.element_size() for n, t in required}
     for other, _ in required:
         if other == name or _NUMBER.sub("#", other) != shape or other not in writers:
             continue

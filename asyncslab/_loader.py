@@ -519,7 +519,7 @@ class SlabSet:
         self._closed = True
         self._tensors.clear()
         self._given = None
-        self._route_bytes = []
+        self._route_bytes: list[torch.Tensor] = []
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     async def __aenter__(self) -> SlabSet:
@@ -1160,7 +1160,9 @@ def _given_bytes(
                 got=got,
             )
         if tensor.device != device:
-            raise PlanError(f"tensor for slab {name!r} is on {tensor.device}, not {device}", slab=name)
+            raise PlanError(
+                f"tensor for slab {name!r} is on {tensor.device}, not {device}", slab=name
+            )
         if not tensor.is_contiguous():
             raise PlanError(
                 f"tensor for slab {name!r} is not contiguous: reads write its bytes in order",
@@ -1171,7 +1173,7 @@ def _given_bytes(
         if spec.nbytes:
             spans.append((flat.data_ptr(), flat.data_ptr() + spec.nbytes, name))
     spans.sort()
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:], strict=False):
         if start < end:
             raise PlanError(
                 f"the tensors for slabs {first!r} and {second!r} share memory: a byte would "

@@ -486,7 +486,7 @@ def _plan(
         extras=MappingProxyType(extras),
         # A tensor sliced into several routes is found at its first.
         _index=MappingProxyType(
-            dict(zip(map(_TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1)))
+            dict(zip(map(_TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1), strict=True))
         ),
     )
 
@@ -501,7 +501,7 @@ def _check_slices(routes: Sequence[Route], checkpoint: Checkpoint, rule: Rule) -
         if len(group) == 1:
             continue
         spans = sorted((r.src_offset, r.src_offset + r.nbytes, r.shape) for r in group)
-        disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
         if not disjoint or any(shape is None for _, _, shape in spans):
             raise CoverageError(
                 f"routed twice (rule {type(rule).__name__} routes it {len(group)} times, "

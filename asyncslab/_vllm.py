@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -137,9 +137,14 @@ class AsyncSlabLoader(BaseModelLoader):
         targets = [*params, *model.named_buffers(remove_duplicate=False)]
         device = _one_device(params)
         stand_in_device = "cpu"  # where vLLM's own readers put the tensors they hand over
+        # Every vLLM model has one; nn.Module's typing only knows it as an attribute.
+        load = cast(Callable[[Iterable[tuple[str, torch.Tensor]]], Any], model.load_weights)
         captured = capture(
-            model.load_weights,
-            [(name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape) for name, ck in names.items()],
+            load,
+            [
+                (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
+                for name, ck in names.items()
+            ],
             targets,
             device=stand_in_device,
         )
@@ -149,7 +154,7 @@ class AsyncSlabLoader(BaseModelLoader):
         reads_done = time.perf_counter()
         if side is not None:
             vllm_name = {ck: name for name, ck in names.items()}
-            model.load_weights((vllm_name[n], side.view(n)) for n in into.transformed)
+            load((vllm_name[n], side.view(n)) for n in into.transformed)
             del side  # the host copies go at once (see SlabSet)
         finished = time.perf_counter()
         self.report = LoadReport(

@@ -287,7 +287,9 @@ def main() -> None:
             result = _child(str(model), name, args.device)
             results[name].append(result)
             shown = result.get("load_weights_s")
-            print(f"  round {r + 1} {name}: " + (f"{shown:.3f} s" if shown else "failed"), flush=True)
+            print(
+                f"  round {r + 1} {name}: " + (f"{shown:.3f} s" if shown else "failed"), flush=True
+            )
     if args.json:  # the raw runs first: a fault below must not lose them
         Path(args.json).write_text(json.dumps({"model_bytes": size, "runs": results}, indent=1))
     rows = []
@@ -297,8 +299,20 @@ def main() -> None:
             rows.append({"contender": name, "error": runs[0]["error"]})
             continue
         times = [x["load_weights_s"] for x in good]
-        row = {**good[0], "median_s": statistics.median(times), "min_s": min(times), "max_s": max(times)}
-        for key in ("process_weights_s", "gc_s", "peak_rss_growth", "reload_s", "capture_s", "reads_s"):
+        row = {
+            **good[0],
+            "median_s": statistics.median(times),
+            "min_s": min(times),
+            "max_s": max(times),
+        }
+        for key in (
+            "process_weights_s",
+            "gc_s",
+            "peak_rss_growth",
+            "reload_s",
+            "capture_s",
+            "reads_s",
+        ):
             values = [x[key] for x in good if x.get(key) is not None]
             if values:
                 row[key] = statistics.median(values)
@@ -311,10 +325,10 @@ def main() -> None:
     if "asyncslab" in by and own:
         ours = by["asyncslab"]
         best = min(own)
+        fastest = min((n for n in OWN if n in by), key=lambda n: by[n]["median_s"])
         print(
             f"\nasyncslab load_weights: {best / ours['median_s']:.2f}x faster than the fastest "
-            f"of vLLM's own formats ({min((n for n in OWN if n in by), key=lambda n: by[n]['median_s'])}, "
-            f"{best:.2f} s); goal >= 2x"
+            f"of vLLM's own formats ({fastest}, {best:.2f} s); goal >= 2x"
         )
         print(
             f"asyncslab's load_weights: recording {ours['capture_s']:.3f} s, reads "
@@ -328,9 +342,12 @@ def main() -> None:
             f"goal <= parameters + staging + 64 MiB = {budget / 2**20:,.0f} MiB"
         )
         sums = {n: by[n].get("checksums") for n in by if by[n].get("checksums")}
-        print(f"parameter checksums after load_weights: {'equal' if len({tuple(v) for v in sums.values()}) == 1 else sums}")
+        same = len({tuple(v) for v in sums.values()}) == 1
+        print(f"parameter checksums after load_weights: {'equal' if same else sums}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model_bytes": size, "rows": rows, "runs": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"model_bytes": size, "rows": rows, "runs": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

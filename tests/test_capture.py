@@ -117,10 +117,12 @@ async def test_the_plan_writes_what_the_engines_loader_writes(tmp_path: Path) ->
     model = Toy()
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     captured = record(model, ckpt)
-    assert captured.untouched == ("inv_freq",) and not captured.transformed
+    assert captured.untouched == ("inv_freq",)
+    assert not captured.transformed
     # Fused shards at their offsets; the embedding's padding filled while recording.
     qkv = {r.tensor: (r.dst, r.nbytes) for r in captured.runs if r.tensor.startswith("layers.0.")}
-    assert qkv["layers.0.q"] == (0, 32) and qkv["layers.0.k"] == (32, 16)
+    assert qkv["layers.0.q"] == (0, 32)
+    assert qkv["layers.0.k"] == (32, 16)
     assert qkv["layers.0.e.2"] == (32, 16)  # its own parameter, expert 2's slot
     # The rank's columns of o: one run of 8 elements per row, from byte 16 of each row.
     o_runs = [(r.src, r.dst, r.nbytes) for r in captured.runs if r.tensor == "layers.0.o"]
@@ -151,9 +153,8 @@ async def test_what_is_not_a_byte_copy_goes_through_the_engines_loader(
     ckpt = write(tmp_path, tensors)
     model = Toy(dtype, variant)
     into = plan_into(ckpt, record(model, ckpt), model.named_parameters())
-    assert into.transformed and all(
-        n.endswith((".q", ".k")) or dtype != torch.bfloat16 for n in into.transformed
-    )
+    assert into.transformed
+    assert all(n.endswith((".q", ".k")) or dtype != torch.bfloat16 for n in into.transformed)
     assert any(re.search(why, w) for w in into.transformed.values())
     await SlabSet(into.plan, tensors=into.tensors).load(ckpt)
     assert into.side is not None
@@ -171,7 +172,8 @@ def test_a_missing_tensor_is_named_with_its_parameter_before_any_read(tmp_path: 
         plan_into(ckpt, record(model, ckpt), model.named_parameters())
     message = str(info.value)
     assert "indices [1, 0, 0]..[1, 1, 3] of 'layers.0.experts'" in message
-    assert "expected 'layers.0.e.1'" in message and info.value.tensor == "layers.0.e.1"
+    assert "expected 'layers.0.e.1'" in message
+    assert info.value.tensor == "layers.0.e.1"
 
 
 def test_two_tensors_into_one_byte_are_refused(tmp_path: Path) -> None:
@@ -211,5 +213,7 @@ def test_stand_ins_are_never_filled(tmp_path: Path) -> None:
     ckpt = write(tmp_path, weights())
     model = Toy()
     record(model, ckpt)
-    assert (model.layers[0].qkv == 9).all() and (model.layers[1].o == 9).all()
-    assert (model.emb[:8] == 9).all() and (model.emb[8:] == 0).all()
+    assert (model.layers[0].qkv == 9).all()
+    assert (model.layers[1].o == 9).all()
+    assert (model.emb[:8] == 9).all()
+    assert (model.emb[8:] == 0).all()

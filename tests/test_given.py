@@ -60,9 +60,7 @@ def _into(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
-async def test_a_load_writes_into_the_given_tensors_in_place(
-    tmp_path: Path, transfer: str
-) -> None:
+async def test_a_load_writes_into_the_given_tensors_in_place(tmp_path: Path, transfer: str) -> None:
     ckpt, tensors = _checkpoint(tmp_path)
     p = plan(ckpt, [_Fused()])
     engine = torch.full((29,), 7.0)  # 116 bytes: both tensors
@@ -104,7 +102,10 @@ def test_given_tensors_must_be_the_plans_slabs(tmp_path: Path) -> None:
         SlabSet(p, "cpu", tensors={**good, "p@0": torch.zeros(24, device="meta")})
     # Two slabs over one byte: each byte must be written once.
     shared = torch.zeros(29).view(torch.uint8)
-    overlapping = {"p@0": shared[:96].view(torch.float32), "p@96": shared[94:114].view(torch.bfloat16)}
+    overlapping = {
+        "p@0": shared[:96].view(torch.float32),
+        "p@96": shared[94:114].view(torch.bfloat16),
+    }
     with pytest.raises(PlanError, match="'p@0' and 'p@96' share memory"):
         SlabSet(p, tensors=overlapping)
 
@@ -143,7 +144,8 @@ class _Columns:
 async def test_one_tensor_may_be_read_as_disjoint_slices(tmp_path: Path) -> None:
     ckpt, tensors = _checkpoint(tmp_path)
     p = plan(ckpt, [_Columns()])
-    assert len(p.routes) == 4 and p.where("a").slab == "p@0"
+    assert len(p.routes) == 4
+    assert p.where("a").slab == "p@0"
     local = torch.zeros(4, 3)
     views = {f"p@{row}": local[row] for row in range(4)}
     await SlabSet(p, tensors=views).load(ckpt)

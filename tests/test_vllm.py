@@ -49,9 +49,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _worker(
-    what: str, cases: list[dict[str, Any]], tmp: Path, **env: str
-) -> dict[str, Any]:
+def _worker(what: str, cases: list[dict[str, Any]], tmp: Path, **env: str) -> dict[str, Any]:
     (tmp / f"{what}.json").write_text(json.dumps(cases))
     out = tmp / f"{what}.out.json"
     run = subprocess.run(
@@ -148,17 +146,21 @@ def test_every_parameter_byte_equals_autos_and_stays_in_vllms_memory(
 ) -> None:
     case = loads[name]
     assert "error" not in case, case.get("message")
-    assert case["same_names"] and case["parameters"] > 10 and case["differ"] == []
+    assert case["same_names"]
+    assert case["parameters"] > 10
+    assert case["differ"] == []
     assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
     report = case["report"]
     assert report["skipped"] == []
     if name == "llama-float32":
         # Served in float32 from a bfloat16 checkpoint: vLLM casts every tensor, through
         # its own loaders, and the report says so.
-        assert len(report["transformed"]) == report["tensors"] and report["runs"] == 0
+        assert len(report["transformed"]) == report["tensors"]
+        assert report["runs"] == 0
         assert report["transformed_bytes"] > 0
     else:
-        assert report["transformed"] == [] and report["runs"] == report["tensors"]
+        assert report["transformed"] == []
+        assert report["runs"] == report["tensors"]
         assert report["bytes"] > 0
 
 
@@ -171,7 +173,8 @@ def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any])
 
 def test_a_missing_tensor_names_the_parameter_and_the_tensor(loads: dict[str, Any]) -> None:
     case = loads["missing"]
-    assert case["error"] == "CoverageError" and case["tensor"] == MISSING
+    assert case["error"] == "CoverageError"
+    assert case["tensor"] == MISSING
     assert "'model.layers.1.self_attn.qkv_proj.weight'" in case["message"]
     assert "come from no checkpoint tensor" in case["message"]
 
@@ -195,13 +198,15 @@ def test_bad_files_fail_with_one_clear_error(
 ) -> None:
     case = loads[name]
     assert case["error"] == error, case
-    assert "AsyncSlabError" in case["bases"] and words in case["message"]
+    assert "AsyncSlabError" in case["bases"]
+    assert words in case["message"]
 
 
 def test_an_index_naming_a_missing_file_fails_naming_it(loads: dict[str, Any]) -> None:
     # vLLM's own file selection finds it first, and says so clearly.
     case = loads["gone"]
-    assert case["error"] == "FileNotFoundError" and "model-00003-of-" in case["message"]
+    assert case["error"] == "FileNotFoundError"
+    assert "model-00003-of-" in case["message"]
 
 
 def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, Any]) -> None:
@@ -209,9 +214,8 @@ def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, An
     assert unknown["error"] == "ValueError"
     assert "unknown model_loader_extra_config key 'io_wrokers'" in unknown["message"]
     assert "io_workers" in unknown["message"]  # the keys it takes are listed
-    assert bad["error"] == "ValueError" and "LoadOptions.io_workers must be positive" in bad[
-        "message"
-    ]
+    assert bad["error"] == "ValueError"
+    assert "LoadOptions.io_workers must be positive" in bad["message"]
 
 
 # --- the engine end to end --------------------------------------------------------------
@@ -225,7 +229,8 @@ def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> N
         tokens = case["tokens"]
         assert tokens["asyncslab"] == tokens["auto"], name
         assert all(len(t) == 8 for t in tokens["auto"]), name
-        assert case["differ"] == [] and case["pointers_kept"]["asyncslab"], name
+        assert case["differ"] == [], name
+        assert case["pointers_kept"]["asyncslab"], name
 
 
 def test_each_tensor_parallel_rank_reads_only_its_own_part(
@@ -250,7 +255,8 @@ def test_each_tensor_parallel_rank_reads_only_its_own_part(
     case = result["mixtral"]
     assert case["tokens"]["asyncslab"] == case["tokens"]["auto"]
     reports = case["reports"]
-    assert len(reports) == 2 and all(r is not None for r in reports)
+    assert len(reports) == 2
+    assert all(r is not None for r in reports)
     total = sum(f.stat().st_size for f in models["mixtral"].glob("*.safetensors"))
     read = [r["bytes"] for r in reports]
     assert all(0 < b < total * 0.6 for b in read), (read, total)
@@ -276,7 +282,9 @@ def _serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, env=_env(), stdout=out, stderr=subprocess.STDOUT)
 
 
-def test_the_openai_server_loads_with_it_and_answers(models: dict[str, Path], tmp_path: Path) -> None:
+def test_the_openai_server_loads_with_it_and_answers(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
     import httpx
 
     port, log = _free_port(), tmp_path / "server.log"
@@ -309,7 +317,9 @@ def test_the_openai_server_loads_with_it_and_answers(models: dict[str, Path], tm
             server.kill()
             server.wait()
     text = log.read_text()
-    assert "asyncslab loaded" in text and "into" in text and "parameters" in text
+    assert "asyncslab loaded" in text
+    assert "into" in text
+    assert "parameters" in text
 
 
 def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
@@ -326,7 +336,8 @@ def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
             server.wait()
     text = log.read_text()
     assert code != 0
-    assert "CoverageError" in text and MISSING in text, text[-6000:]
+    assert "CoverageError" in text, text[-6000:]
+    assert MISSING in text
 
 
 def test_the_benchmark_compares_formats_on_the_same_bytes(
@@ -348,5 +359,7 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
     rows = {r["contender"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
     assert set(rows) == {"auto", "asyncslab", "bound-preadv-fresh"}
     for name in ("auto", "asyncslab"):
-        assert rows[name]["pointers_kept"] and rows[name]["process_weights_s"] >= 0
-    assert rows["asyncslab"]["transformed"] == 0 and rows["asyncslab"]["capture_s"] > 0
+        assert rows[name]["pointers_kept"]
+        assert rows[name]["process_weights_s"] >= 0
+    assert rows["asyncslab"]["transformed"] == 0
+    assert rows["asyncslab"]["capture_s"] > 0

@@ -39,8 +39,7 @@ PROMPTS = ["w1 w2 w3 w4", "w9 w8", "w100 w5 w7"]
 
 def _bytes(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
-        n: p.detach().reshape(-1).view(torch.uint8).clone()
-        for n, p in model.named_parameters()
+        n: p.detach().reshape(-1).view(torch.uint8).clone() for n, p in model.named_parameters()
     }
 
 
@@ -157,7 +156,8 @@ def _change_before_read(path: Path) -> None:
 
     class Changing(real):  # type: ignore[misc, valid-type]
         async def load(self, *args: Any, **kwargs: Any) -> Any:
-            data = bytearray(path.read_bytes())
+            # Blocking on purpose: the file is changed before the load's first read.
+            data = bytearray(path.read_bytes())  # noqa: ASYNC240
             data[-1] ^= 0xFF
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(bytes(data))
