@@ -236,7 +236,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| contender | load_weights | GB/s | process_weights_after_loading | gc.collect x2 "
         "| peak RSS growth | reload into touched memory | pointers kept |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "error" in r:
