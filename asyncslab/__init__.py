@@ -121,13 +121,7 @@ from ._loader import load as load
 from ._moe import ExpertPartition as ExpertPartition
 from ._moe import TieredMoE as TieredMoE
 from ._moe import load_tier_map as load_tier_map
-from ._plan import Claim as Claim
-from ._plan import Location as Location
 from ._plan import Plan as Plan
-from ._plan import Route as Route
-from ._plan import Rule as Rule
-from ._plan import SlabSpec as SlabSpec
-from ._plan import make_route as make_route
 from ._plan import plan as plan
 from ._rules import Dense as Dense
 from ._rules import RowSlice as RowSlice
@@ -137,6 +131,12 @@ from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import spec_for_size as spec_for_size
 from ._synthetic import write_synthetic as write_synthetic
+from ._vocab import Claim as Claim
+from ._vocab import Location as Location
+from ._vocab import Route as Route
+from ._vocab import Rule as Rule
+from ._vocab import SlabSpec as SlabSpec
+from ._vocab import make_route as make_route
 
 __version__ = "0.1.0"
 

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ._bench_worker import PEERS, RESULT_MARK, lag_summary
-from ._cli import size_arg
+from ._progress import size_arg
 
 __all__ = [
     "ManySmall",
@@ -376,9 +376,7 @@ def write_synthetic_parallel(directory: Path, spec: Any, workers: int) -> int:
     return total
 
 
-def _generate(
-    root: Path, size: int, workers: int | None = None
-) -> tuple[Path, dict[str, Any]]:
+def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, dict[str, Any]]:
     """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``, with
     ``workers`` processes (default: one per two CPUs, at most one per shard)."""
     from ._synthetic import spec_for_size

@@ -37,7 +37,14 @@ from ._errors import AsyncSlabError, PlanError
 from ._format import INDEX_SUFFIX, Checkpoint
 from ._loader import LoadOptions, LoadStatistics, SlabSet, load
 from ._plan import Plan, plan
-from ._progress import ProgressBar, format_bytes, format_duration, format_table
+from ._progress import (
+    ProgressBar,
+    format_bytes,
+    format_duration,
+    format_table,
+    parse_size,
+    size_arg,
+)
 from ._synthetic import (
     SyntheticCheckpoint,
     SyntheticSpec,
@@ -57,45 +64,6 @@ class UsageError(Exception):
 
 
 # --------------------------------------------------------------------------- argument types
-
-_SIZE = re.compile(
-    r"\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>(?P<prefix>[kmgtp])?(?P<binary>i)?(?P<b>b)?)\s*",
-    re.IGNORECASE,
-)
-_PREFIXES = "kmgtp"
-
-
-def parse_size(text: str) -> int:
-    """``"64MiB"`` -> 67108864. ``KiB/MiB/GiB/TiB`` (and bare ``K/M/G/T``) are powers of
-    1024, ``KB/MB/GB/TB`` powers of 1000; no unit or ``B`` means bytes. Case-insensitive."""
-    match = _SIZE.fullmatch(text)
-    unit_ok = match is not None and (match["prefix"] is not None or (match["binary"] is None))
-    if match is None or not unit_ok:
-        raise ValueError(
-            f"invalid size {text!r}: expected a number with an optional unit, "
-            "like 64MiB, 1GiB, 3GB or 500M"
-        )
-    number = float(match["number"])
-    prefix = match["prefix"]
-    if prefix is None:
-        multiplier = 1
-    else:
-        power = _PREFIXES.index(prefix.lower()) + 1
-        decimal = match["b"] is not None and match["binary"] is None
-        multiplier = (1000 if decimal else 1024) ** power
-    size = int(round(number * multiplier))
-    if size < 1:
-        raise ValueError(f"invalid size {text!r}: must be at least one byte")
-    return size
-
-
-def size_arg(text: str) -> int:
-    """:func:`parse_size` as an argparse ``type``: every ``--size`` (``bench``'s too) uses
-    this one, so that their messages cannot drift apart."""
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive_int(text: str) -> int:

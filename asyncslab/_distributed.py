@@ -53,10 +53,11 @@ from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, 
 from ._format import Checkpoint, TensorInfo
 from ._loader import LoadOptions, SlabSet, _forget_locals, _open_checked
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
-from ._plan import Claim, Plan, Rule, plan
+from ._plan import Plan, plan
 from ._read import pread_scatter, scatter
 from ._rules import Dense, RowSlice
 from ._staging import pinned_bytes
+from ._vocab import Claim, Rule
 
 __all__ = [
     "DEFAULT_ROWS",

@@ -27,8 +27,9 @@ import torch
 from ._capture import Capture
 from ._errors import CoverageError
 from ._format import Checkpoint, TensorInfo
-from ._plan import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
+from ._plan import Plan, plan
 from ._rules import Dense
+from ._vocab import Claim, SlabSpec, make_route, unit_of_layer
 
 __all__ = ["IntoPlan", "plan_into"]
 

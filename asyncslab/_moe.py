@@ -10,7 +10,6 @@ pure function of the partition.
 from __future__ import annotations
 
 import json
-import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
@@ -31,7 +30,17 @@ from ._errors import (
     UnmatchedTensorError,
 )
 from ._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
-from ._plan import Claim, Route, SlabSpec, index_number, mode_shape
+from ._vocab import (
+    _FILE,
+    _NAME,
+    _NBYTES,
+    _OFFSET,
+    Claim,
+    Route,
+    SlabSpec,
+    index_number,
+    mode_shape,
+)
 
 __all__ = ["ExpertPartition", "TieredMoE", "load_tier_map", "EXL3_EXPERT_PATTERN"]
 
@@ -138,10 +147,6 @@ def _layer_unit(layer: int) -> str:
 _ROUTE_COLUMNS = (
     "tensor file src_offset nbytes slab slot dst_offset unit layer expert shard suffix".split()
 )
-_NAME = operator.attrgetter("name")
-_FILE = operator.attrgetter("file")
-_OFFSET = operator.attrgetter("offset")
-_NBYTES = operator.attrgetter("nbytes")
 
 
 class _Expert(NamedTuple):  # a tuple: one per expert tensor, built at C speed

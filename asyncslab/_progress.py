@@ -1,4 +1,5 @@
-"""Terminal output for the command line: a progress bar fed by load snapshots, and a table.
+"""Terminal output for the command line: a progress bar fed by load snapshots, a table, and
+sizes both ways (``format_bytes``; ``parse_size`` for what a user types).
 
 Dependency-free on purpose: the CLI runs on servers and in CI where nothing beyond the
 package's own requirements is installed. The bar takes :class:`~asyncslab.LoadStatistics`
@@ -11,7 +12,9 @@ snapshots (the loader calls ``progress(stats)`` at most every 0.1 s and once at 
 
 from __future__ import annotations
 
+import argparse
 import math
+import re
 import shutil
 import sys
 import time
@@ -23,6 +26,8 @@ __all__ = [
     "format_bytes",
     "format_duration",
     "format_table",
+    "parse_size",
+    "size_arg",
 ]
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -240,3 +245,45 @@ class ProgressBar:
             self._stream.flush()
         except (OSError, ValueError):
             self._broken = True
+
+
+# --- sizes the other way: what a user types (--size, --staging-mb) --------------------
+
+_SIZE = re.compile(
+    r"\s*(?P<number>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>(?P<prefix>[kmgtp])?(?P<binary>i)?(?P<b>b)?)\s*",
+    re.IGNORECASE,
+)
+_PREFIXES = "kmgtp"
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"`` -> 67108864. ``KiB/MiB/GiB/TiB`` (and bare ``K/M/G/T``) are powers of
+    1024, ``KB/MB/GB/TB`` powers of 1000; no unit or ``B`` means bytes. Case-insensitive."""
+    match = _SIZE.fullmatch(text)
+    unit_ok = match is not None and (match["prefix"] is not None or (match["binary"] is None))
+    if match is None or not unit_ok:
+        raise ValueError(
+            f"invalid size {text!r}: expected a number with an optional unit, "
+            "like 64MiB, 1GiB, 3GB or 500M"
+        )
+    number = float(match["number"])
+    prefix = match["prefix"]
+    if prefix is None:
+        multiplier = 1
+    else:
+        power = _PREFIXES.index(prefix.lower()) + 1
+        decimal = match["b"] is not None and match["binary"] is None
+        multiplier = (1000 if decimal else 1024) ** power
+    size = int(round(number * multiplier))
+    if size < 1:
+        raise ValueError(f"invalid size {text!r}: must be at least one byte")
+    return size
+
+
+def size_arg(text: str) -> int:
+    """:func:`parse_size` as an argparse ``type``: every ``--size`` (``bench``'s too) uses
+    this one, so that their messages cannot drift apart."""
+    try:
+        return parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None

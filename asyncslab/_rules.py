@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -16,11 +15,12 @@ import torch
 
 from ._errors import CoverageError, DtypeMismatchError, PlanError
 from ._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
-from ._plan import (
+from ._vocab import (
     _DTYPE,
     _FILE,
     _NAME,
     _NBYTES,
+    _OFFSET,
     _SHAPE,
     Claim,
     Route,
@@ -41,8 +41,6 @@ def _check_dtype(dtype: object, where: str) -> None:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{where}: a torch.dtype, e.g. torch.bfloat16, not {dtype!r}")
 
-
-_OFFSET = operator.attrgetter("offset")
 
 # One read-only label mapping for every dense slab (300,000 tensors made 300,000 dicts).
 _DENSE: Mapping[str, str] = MappingProxyType({"kind": "dense"})
@@ -148,8 +146,7 @@ class Stack:
                 if extent > self.count:
                     beyond = next(info for i, info in items if i >= self.count)
                     raise CoverageError(
-                        f"stacked slab {key!r}: index {extent - 1} is past count="
-                        f"{self.count}",
+                        f"stacked slab {key!r}: index {extent - 1} is past count={self.count}",
                         tensor=beyond.name,
                     )
                 extent = self.count
@@ -208,8 +205,7 @@ class RowSlice:
                 continue
             if not info.shape or info.shape[0] % self.world:
                 raise PlanError(
-                    f"cannot split shape {list(info.shape)} by rows into {self.world} equal "
-                    "parts",
+                    f"cannot split shape {list(info.shape)} by rows into {self.world} equal parts",
                     file=info.file,
                     tensor=name,
                 )

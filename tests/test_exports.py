@@ -51,3 +51,35 @@ def test_errors_keep_their_pieces_and_pickle() -> None:
     assert str(clone) == str(err)
     assert clone.details == err.details
     assert isinstance(err, ValueError)
+
+
+def test_the_modules_import_each_other_without_a_cycle() -> None:
+    """Every ``from .module import`` of the package, lazy ones (inside functions) included:
+    the stages form a graph without a cycle, so each reads without the ones after it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(asyncslab.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        graph[path.stem] = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        }
+    graph.pop("__init__")  # the face imports everything; nothing imports it
+    state: dict[str, int] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        if state.get(module) == 2:
+            return
+        assert state.get(module) != 1, " -> ".join([*path, module])
+        state[module] = 1
+        for other in sorted(graph.get(module, ())):
+            visit(other, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert "_vocab" in graph and graph["_vocab"] <= {"_errors", "_format"}  # a leaf

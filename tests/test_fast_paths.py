@@ -50,7 +50,8 @@ from asyncslab._format import (
     _weight_map_compact,
     frozen_columns,
 )
-from asyncslab._plan import Route, _valid, _validate, make_route, unit_of_layer
+from asyncslab._plan import _valid, _validate
+from asyncslab._vocab import Route, make_route, unit_of_layer
 
 HERE = Path("<test>")
 
