@@ -24,7 +24,7 @@ fi
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   python3 -c "
 from importlib.metadata import PackageNotFoundError, version
-for name in ('pytest', 'pytest-asyncio', 'pytest-timeout', 'safetensors', 'numpy', 'uvloop', 'aiofiles'):
+for name in ('pytest', 'pytest-asyncio', 'pytest-timeout', 'safetensors', 'numpy', 'uvloop'):
     try:
         print(name, version(name))
     except PackageNotFoundError:
