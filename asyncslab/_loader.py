@@ -73,11 +73,10 @@ class LoadOptions:
     ``read_timeout``: seconds one read may take before the load fails (``None``: forever).
     ``io_nice``: added to the nice value of the I/O threads (Linux, where it is per thread;
     ignored elsewhere), so that the event loop, and anything else of normal priority, gets a
-    core the moment it wants one, while the load still takes every idle cycle. On a 2-core
-    VM, 1 GiB into fresh memory with 4 threads: lag p99 5-8 ms at 0, 1.3-4 ms at 10 or 19,
-    the same load time. Not 19: an I/O thread holds the GIL briefly between two reads, and
-    the loop waiting for it should not wait behind everything else on the machine. 0 leaves
-    the threads as they are.
+    core the moment it wants one, while the load still takes every idle cycle (the lag it
+    saves is measured in benchmarks/README.md). Not 19: an I/O thread holds the GIL briefly
+    between two reads, and the loop waiting for it should not wait behind everything else on
+    the machine. 0 leaves the threads as they are.
     ``transfer``: how bytes reach the slabs. ``"direct"`` (CPU targets): read straight into
     the slabs. ``"staged"``: read into the pinned staging buffers, then copy. ``"mapped"``:
     map the shards and copy straight out of the page cache, each read's pages registered
@@ -615,8 +614,8 @@ class SlabSet:
 
     def _delivered(self, error: BaseException | None) -> None:
         """A caller of ready() got the load's error as its cause: asyncio need not log the
-        task's exception as never retrieved (a server using start() and ready() saw every
-        failure twice, the second time as if it had gone unnoticed)."""
+        task's exception as never retrieved, which would report one failure twice, the
+        second time as if nobody had seen it."""
         task = self._task
         if error is not None and task is not None:
             # Its task may still be releasing threads and files: mark it when it ends.
