@@ -224,7 +224,14 @@ class SlabSet:
     ``slabs[name]``, ``slot``, ``view``) only when its unit is complete, else
     :class:`IncompleteLoadError` names what is missing. Use as ``async with`` or call
     :meth:`aclose`, which cancels a running load and frees the slabs.
+
+    ``tensors=`` makes it load into tensors it did not allocate (an engine's parameters): one
+    per slab of the plan, of its dtype and shape, contiguous, none sharing a byte with
+    another. They are written in place and never freed here.
     """
+
+    # Per route of the plan being loaded: the byte tensor its slab lies in (see _adopt).
+    _route_bytes: list[torch.Tensor]
 
     def __init__(
         self,
@@ -247,7 +254,8 @@ class SlabSet:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
         self._tensors: dict[str, torch.Tensor] = {}
-        # Per slab: the byte tensor it lies in and where in it it starts.
+        # The given tensors' bytes, per slab; None where the slabs are views of one
+        # allocation of asyncslab's own.
         self._given: dict[str, torch.Tensor] | None = None
         if tensors is not None:
             # An engine's own tensors (its parameters, or views of them): written in place,
@@ -518,7 +526,7 @@ class SlabSet:
         self._closed = True
         self._tensors.clear()
         self._given = None
-        self._route_bytes: list[torch.Tensor] = []
+        self._route_bytes = []
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     async def __aenter__(self) -> SlabSet:

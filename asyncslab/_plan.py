@@ -291,9 +291,9 @@ def _check_slices(routes: Sequence[Route], checkpoint: Checkpoint, rule: Rule) -
     for name, group in by_tensor.items():
         if len(group) == 1:
             continue
-        spans = sorted((r.src_offset, r.src_offset + r.nbytes, r.shape) for r in group)
+        spans = sorted((r.src_offset, r.src_offset + r.nbytes) for r in group)
         disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
-        if not disjoint or any(shape is None for _, _, shape in spans):
+        if not disjoint or any(r.shape is None for r in group):
             raise CoverageError(
                 f"routed twice (rule {type(rule).__name__} routes it {len(group)} times, "
                 "not as disjoint slices)",

@@ -152,3 +152,29 @@ async def test_one_tensor_may_be_read_as_disjoint_slices(tmp_path: Path) -> None
     assert torch.equal(local, tensors["a"][:, 3:])
     with pytest.raises(CoverageError, match="routes it 4 times, not as disjoint slices"):
         plan(ckpt, [_Columns(overlap=True)])
+
+
+class _Twice:
+    """``a`` whole, and again whole or as a slice of all its rows: one tensor routed
+    twice, not as disjoint slices (the slice compares equal to the whole by its bytes)."""
+
+    def __init__(self, second: str) -> None:
+        self.second = second
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        a = pending["a"]
+        whole = SlabSpec("whole", "globals", torch.float32, (), (4, 6))
+        if self.second == "whole":
+            again = SlabSpec("again", "globals", torch.float32, (), (4, 6))
+            routes = (make_route(a, whole, ()), make_route(a, again, ()))
+        else:
+            again = SlabSpec("again", "globals", torch.float32, (), (4, 6))
+            routes = (make_route(a, whole, ()), make_route(a, again, (), rows=(0, 4)))
+        return Claim(slabs=(whole, again), routes=routes, checked=("b",))
+
+
+@pytest.mark.parametrize("second", ["whole", "all rows"])
+def test_a_tensor_routed_twice_is_refused(tmp_path: Path, second: str) -> None:
+    ckpt, _ = _checkpoint(tmp_path)
+    with pytest.raises(CoverageError, match="routes it 2 times, not as disjoint slices"):
+        plan(ckpt, [_Twice(second)])
