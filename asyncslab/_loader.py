@@ -271,9 +271,7 @@ class SlabSet:
             # reads): seconds for a plan of 300,000 small tensors.
             self._offset, total, empty = slab_layout(plan, self.device)
             try:
-                self._backing = torch.empty(
-                    max(total, 1), dtype=torch.uint8, device=self.device
-                )
+                self._backing = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
             except RuntimeError as err:
                 raise LoadError(
                     f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on "
@@ -348,9 +346,7 @@ class SlabSet:
         if (
             not isinstance(slot, tuple)
             or len(slot) > len(dims)
-            or not all(
-                type(i) is int and 0 <= i < n for i, n in zip(slot, dims, strict=False)
-            )
+            or not all(type(i) is int and 0 <= i < n for i, n in zip(slot, dims, strict=False))
         ):
             raise IndexError(f"slot {slot!r} is outside slab {name!r} (slot dims {list(dims)})")
         return slab[slot]
@@ -1565,4 +1561,3 @@ async def load(
         if into is None:
             await slabs.aclose()
         raise
-
