@@ -27,6 +27,7 @@ import aiofiles
 import torch
 
 import asyncslab
+import asyncslab.testing
 from asyncslab import LoadOptions
 from asyncslab._cli import parse_size
 from asyncslab._read import byte_view
@@ -34,13 +35,13 @@ from asyncslab._schedule import schedule
 
 
 async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
-    by_file: dict[Path, list[asyncslab.Route]] = defaultdict(list)
+    by_file: dict[Path, list[asyncslab.rules.Route]] = defaultdict(list)
     for route in plan.routes:
         by_file[route.file].append(route)
 
     view = byte_view(slabs._backing.data_ptr(), slabs._backing.numel())
 
-    async def one_file(path: Path, routes: list[asyncslab.Route]) -> None:
+    async def one_file(path: Path, routes: list[asyncslab.rules.Route]) -> None:
         async with aiofiles.open(path, "rb", buffering=0) as f:
             for r in routes:
                 start = slabs._route_base[plan._index[r.tensor]] + r.dst_offset
@@ -82,7 +83,7 @@ async def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        asyncslab.write_synthetic(d, asyncslab.spec_for_size(args.size))
+        asyncslab.testing.write_synthetic(d, asyncslab.testing.spec_for_size(args.size))
         ckpt = asyncslab.Checkpoint.open(d)
         plan = asyncslab.plan(ckpt)
         slabs = asyncslab.SlabSet(plan)

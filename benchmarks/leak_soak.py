@@ -40,8 +40,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import asyncslab  # noqa: E402
-from asyncslab import Checkpoint, LoadOptions, SlabSet, SyntheticSpec, plan  # noqa: E402
+import asyncslab.testing  # noqa: E402
+from asyncslab import Checkpoint, LoadOptions, SlabSet, plan  # noqa: E402
 from asyncslab import _read as read_module  # noqa: E402
+from asyncslab.testing import SyntheticSpec  # noqa: E402
 
 OPTIONS = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
 
@@ -217,7 +219,7 @@ def main() -> None:
     spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
     failed = False
     with tempfile.TemporaryDirectory() as d:
-        written = asyncslab.write_synthetic(d, spec)
+        written = asyncslab.testing.write_synthetic(d, spec)
         print(
             f"asyncslab leak soak: {args.cycles} cancel+reload cycles per loop after "
             f"{args.warmup} warm-up cycles; checkpoint {written.total_bytes} B in "

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet, distributed, spec_for_size
+import asyncslab.testing
+from asyncslab import Checkpoint, LoadOptions, SlabSet, distributed
+from asyncslab.testing import spec_for_size
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _generate(root: str, size: int, tp_ranks: int) -> None:
-    asyncslab.write_synthetic(root, spec_for_size(size, tp_ranks=tp_ranks))
+    asyncslab.testing.write_synthetic(root, spec_for_size(size, tp_ranks=tp_ranks))
     (Path(root) / ".complete").touch()
 
 

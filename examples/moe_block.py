@@ -36,7 +36,8 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
-from asyncslab import ExpertPartition, Plan, SlabSet, bind_module
+from asyncslab import Plan, SlabSet, bind_module
+from asyncslab.rules import ExpertPartition
 
 __all__ = [
     "TieredMoEBlock",

@@ -52,7 +52,8 @@ from typing import Any
 import torch
 from moe_block import TieredMoEBlock, checksum, make_input
 
-from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan, spec_for_size, write_synthetic
+from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, plan
+from asyncslab.testing import spec_for_size, write_synthetic
 
 try:
     import uvicorn

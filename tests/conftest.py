@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import asyncslab
-from asyncslab import SyntheticSpec, write_synthetic
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 try:
     import uvloop
@@ -40,13 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCheckpoint:
     """A small tiered MoE checkpoint (3 shards, experts straddling them). Read-only."""
     return write_synthetic(tmp_path_factory.mktemp("moe"), SyntheticSpec())
 
 
 @pytest.fixture(scope="session")
-def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCheckpoint:
     """~300 KB, three shards, experts straddling them: a load is dozens of small reads.
     Read-only."""
     spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
@@ -54,7 +53,7 @@ def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.Synt
 
 
 @pytest.fixture
-def fresh_moe(tmp_path: Path) -> asyncslab.SyntheticCheckpoint:
+def fresh_moe(tmp_path: Path) -> SyntheticCheckpoint:
     """A checkpoint the test may damage."""
     return write_synthetic(tmp_path / "ckpt", SyntheticSpec())
 

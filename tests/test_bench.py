@@ -20,9 +20,11 @@ import torch
 from safetensors import safe_open
 
 import asyncslab
+import asyncslab.testing
 from asyncslab import _bench
 from asyncslab._bench import CONTENDERS, write_many_small
 from asyncslab._schedule import windows
+from asyncslab.testing import SyntheticCheckpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -265,7 +267,7 @@ class _NoCuda:
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_gpu_bench_pipeline_bound_moves_every_byte(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, depth: int
+    moe_checkpoint: SyntheticCheckpoint, depth: int
 ) -> None:
     """The pipeline bound's buffer rotation, on the CPU: every read lands in its slots
     (each one compared with safetensors), whatever the buffers per thread; a buffer is
@@ -283,7 +285,7 @@ def test_gpu_bench_pipeline_bound_moves_every_byte(
 
 @pytest.mark.parametrize("fail_at", [0, 2])
 def test_gpu_bench_mapped_dma_bound_copies_from_the_mappings(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, fail_at: int
+    moe_checkpoint: SyntheticCheckpoint, fail_at: int
 ) -> None:
     """The mapped DMA bound's bookkeeping, on the CPU: each shard mapped and registered
     read-only, every tensor copied out of the mappings into its slot (each compared with
@@ -310,7 +312,7 @@ def test_gpu_bench_mapped_dma_bound_copies_from_the_mappings(
     ("transfer", "threads", "window"), [("auto", None, None), ("mapped", 3, 8 << 10)]
 )
 def test_gpu_bench_load_asyncslab_runs_each_transfer(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
     transfer: str,
     threads: int | None,
     window: int | None,
@@ -363,8 +365,8 @@ def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
 
 
 def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
-    spec = asyncslab.SyntheticSpec()
-    reference = asyncslab.write_synthetic(tmp_path / "a", spec)
+    spec = asyncslab.testing.SyntheticSpec()
+    reference = asyncslab.testing.write_synthetic(tmp_path / "a", spec)
     total = _bench.write_synthetic_parallel(tmp_path / "b", spec, workers=1)
     assert total == reference.total_bytes
     names = sorted(p.name for p in (tmp_path / "a").iterdir())

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from torch import nn
 
 import asyncslab
+import asyncslab.testing
 from asyncslab import (
     BindError,
     Checkpoint,
@@ -26,6 +27,7 @@ from asyncslab import (
     load,
     plan,
 )
+from asyncslab.testing import SyntheticCheckpoint
 
 LAYER = 1  # the synthetic checkpoint's first MoE layer (first_dense=1)
 PREFIX = f"model.layers.{LAYER}."
@@ -122,13 +124,13 @@ def assert_unchanged(module: nn.Module, before: Mapping[str, torch.Tensor]) -> N
 # --------------------------------------------------------------------------- fixtures
 
 
-async def load_layer(written: asyncslab.SyntheticCheckpoint) -> tuple[Checkpoint, SlabSet]:
+async def load_layer(written: SyntheticCheckpoint) -> tuple[Checkpoint, SlabSet]:
     ckpt = Checkpoint.open(written.root)
     slabs = await load(ckpt, plan(ckpt, tier_map=written.tier_map_path))
     return ckpt, slabs
 
 
-def tier_groups(written: asyncslab.SyntheticCheckpoint) -> dict[str, list[int]]:
+def tier_groups(written: SyntheticCheckpoint) -> dict[str, list[int]]:
     """Layer 1's tiers, from the tier map written beside the checkpoint (not from the plan):
     group ``K<bits>``, members in expert-id order."""
     groups: dict[str, list[int]] = {}
@@ -180,7 +182,7 @@ def make_input(hidden: int) -> torch.Tensor:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("form", ["dict", "callable"])
 async def test_binds_dense_and_tier_slabs_without_copying(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, form: str
+    moe_checkpoint: SyntheticCheckpoint, form: str
 ) -> None:
     ckpt, slabs = await load_layer(moe_checkpoint)
     groups = tier_groups(moe_checkpoint)
@@ -217,7 +219,7 @@ async def test_binds_dense_and_tier_slabs_without_copying(
 
 @pytest.mark.asyncio
 async def test_bound_forward_equals_state_dict_copy(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt, slabs = await load_layer(moe_checkpoint)
     groups = tier_groups(moe_checkpoint)
@@ -236,7 +238,7 @@ async def test_bound_forward_equals_state_dict_copy(
 
 @pytest.mark.asyncio
 async def test_slot_views_point_into_the_tier_slab(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """``(slab, slot)`` binds one expert's shard; a slot prefix binds a stacked view (every
     expert's gate shard of a tier). Each view starts at the slab's base plus its offset."""
@@ -282,7 +284,7 @@ async def test_slot_views_point_into_the_tier_slab(
 
 @pytest.mark.asyncio
 async def test_reload_in_place_keeps_bound_pointers(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt, slabs = await load_layer(moe_checkpoint)
     toy = Toy(slabs.plan, tuple(tier_groups(moe_checkpoint)))
@@ -306,7 +308,7 @@ async def test_reload_in_place_keeps_bound_pointers(
 
 @pytest.mark.asyncio
 async def test_unbound_parameter_is_listed_and_nothing_changes(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     _, slabs = await load_layer(moe_checkpoint)
     groups = tuple(tier_groups(moe_checkpoint))
@@ -335,7 +337,7 @@ async def test_unbound_parameter_is_listed_and_nothing_changes(
 
 @pytest.mark.asyncio
 async def test_shape_and_dtype_mismatches_are_listed_and_nothing_changes(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     _, slabs = await load_layer(moe_checkpoint)
     groups = tuple(tier_groups(moe_checkpoint))
@@ -364,7 +366,7 @@ async def test_shape_and_dtype_mismatches_are_listed_and_nothing_changes(
 
 @pytest.mark.asyncio
 async def test_mapping_naming_a_missing_parameter_is_refused(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     _, slabs = await load_layer(moe_checkpoint)
     toy = Toy(slabs.plan, tuple(tier_groups(moe_checkpoint)))
@@ -391,7 +393,7 @@ async def test_mapping_naming_a_missing_parameter_is_refused(
     ],
 )
 async def test_unknown_slab_or_slot_is_a_bind_error(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, target: object, why: str
+    moe_checkpoint: SyntheticCheckpoint, target: object, why: str
 ) -> None:
     _, slabs = await load_layer(moe_checkpoint)
     module = nn.Module()
@@ -404,7 +406,7 @@ async def test_unknown_slab_or_slot_is_a_bind_error(
 
 @pytest.mark.asyncio
 async def test_list_slot_is_a_view_never_an_indexing_copy(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """``slab[[0]]`` would be advanced indexing: a *copy* of shape (1, ...). A slot given as
     a list must index like the tuple it stands for, so a module whose parameter happens to
@@ -423,7 +425,7 @@ async def test_list_slot_is_a_view_never_an_indexing_copy(
 
 @pytest.mark.asyncio
 async def test_tied_parameter_must_be_bound_under_every_name(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """A parameter shared by two modules (tied embeddings) is listed under both names: binding
     one name only would leave the other on its old tensor, so strict binding refuses it."""
@@ -447,7 +449,7 @@ async def test_tied_parameter_must_be_bound_under_every_name(
 
 @pytest.mark.asyncio
 async def test_incomplete_slabs_are_refused_and_nothing_changes(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt, tier_map=moe_checkpoint.tier_map_path)
@@ -482,7 +484,7 @@ def per_unit_module(p: Plan, order: list[str]) -> tuple[nn.Module, dict[str, str
 
 @pytest.mark.asyncio
 async def test_bind_during_a_load_refuses_units_still_loading(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """Mid-load, with some units complete and others not: a bind that needs both fails on
     the incomplete one *after* resolving the complete ones, and still changes nothing."""
@@ -521,7 +523,7 @@ async def test_bind_during_a_load_refuses_units_still_loading(
 
 @pytest.mark.asyncio
 async def test_meta_module_binds_without_allocating(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """A module built on the meta device (no memory) is fully usable after binding."""
     ckpt, slabs = await load_layer(moe_checkpoint)
@@ -543,7 +545,7 @@ async def test_meta_module_binds_without_allocating(
 async def test_expert_major_layout_binds_reshaped_views(tmp_path: Path) -> None:
     """layout="expert_major" puts each expert's gate and up next to each other, so a
     transformers-style fused (n, 2*I, H)-shaped parameter is a view of the W13 slab."""
-    written = asyncslab.write_synthetic(tmp_path, asyncslab.SyntheticSpec())
+    written = asyncslab.testing.write_synthetic(tmp_path, asyncslab.testing.SyntheticSpec())
     ckpt = asyncslab.Checkpoint.open(written.root)
     p = asyncslab.plan(ckpt, [asyncslab.TieredMoE(layout="expert_major"), asyncslab.Dense()])
     name = "model.layers.1.mlp.experts.K3.w13.trellis"
@@ -576,7 +578,7 @@ def _one_submodule_under_two_names(like: torch.Tensor) -> tuple[nn.Module, nn.Mo
 
 @pytest.mark.asyncio
 async def test_a_submodule_under_two_names_binds_one_target(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """One submodule registered under two names has one slot per parameter: mapped to two
     slabs, the last used to win with no error (and the returned views disagreed with the
@@ -598,7 +600,7 @@ async def test_a_submodule_under_two_names_binds_one_target(
 
 @pytest.mark.asyncio
 async def test_a_lazy_parameter_is_a_bind_error(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     _, slabs = await load_layer(moe_checkpoint)
     module = nn.Module()
@@ -610,7 +612,7 @@ async def test_a_lazy_parameter_is_a_bind_error(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
 async def test_a_submodule_mapped_only_under_its_second_name_is_bound(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, strict: bool
+    moe_checkpoint: SyntheticCheckpoint, strict: bool
 ) -> None:
     """A submodule registered as ``a`` and ``b``, mapped only as ``b``: its one slot is
     mapped. Dropping the mapping because ``a`` came first made strict binding fail on a

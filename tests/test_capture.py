@@ -14,10 +14,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from asyncslab import Checkpoint, CoverageError, SlabSet
+from asyncslab import Checkpoint, SlabSet
 from asyncslab._capture import capture
 from asyncslab._errors import CaptureError
 from asyncslab._into import plan_into
+from asyncslab.errors import CoverageError
 
 LAYERS, EXPERTS = 2, 3
 

@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import asyncslab
-from asyncslab import SyntheticCheckpoint, SyntheticSpec, _cli, write_synthetic
+from asyncslab import _cli
 from asyncslab._cli import main, parse_size
 from asyncslab._progress import ProgressBar, format_bytes, format_duration, format_table
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -422,7 +423,7 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_debug_reraises(tmp_path: Path) -> None:
-    with pytest.raises(asyncslab.MissingFileError):
+    with pytest.raises(asyncslab.errors.MissingFileError):
         main(["--debug", "inspect", str(tmp_path)])
     with pytest.raises(FileNotFoundError):
         main(["inspect", str(tmp_path / "missing"), "--debug"])
@@ -845,7 +846,7 @@ def test_a_load_that_fails_replaces_an_earlier_json_and_the_bar_says_so(
                 os.kill(os.getpid(), signal.SIGINT)  # the loop cancels the load
                 time.sleep(0.05)
             else:
-                raise asyncslab.ReadError("injected EIO", file=str(kw["path"]))
+                raise asyncslab.errors.ReadError("injected EIO", file=str(kw["path"]))
         return pread_scatter(*a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_copy, "pread_scatter", read)

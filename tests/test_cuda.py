@@ -15,13 +15,14 @@ from safetensors import safe_open
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
 from asyncslab._format import _gc_paused
+from asyncslab.testing import SyntheticCheckpoint
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
 
 
 @pytest.mark.parametrize("streams", [1, 4])
 async def test_cuda_load_is_bit_identical(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, streams: int
+    moe_checkpoint: SyntheticCheckpoint, streams: int
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -37,7 +38,7 @@ async def test_cuda_load_is_bit_identical(
 
 
 async def test_cuda_staging_budget_is_what_is_pinned(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # 96 KiB asked per buffer; torch would pin 128 KiB for each: 64 KiB are used instead.
     ckpt = Checkpoint.open(moe_checkpoint.root)
@@ -52,7 +53,7 @@ async def test_cuda_staging_budget_is_what_is_pinned(
 
 
 async def test_cuda_views_and_reload_keep_pointers(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -71,7 +72,7 @@ async def test_cuda_views_and_reload_keep_pointers(
     assert_bit_identical(slabs, ckpt)
 
 
-async def test_cuda_peak_memory_is_the_slabs(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_cuda_peak_memory_is_the_slabs(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     gc.collect()  # an earlier test's garbage freed during this load would skew the peak
@@ -88,7 +89,7 @@ async def test_cuda_peak_memory_is_the_slabs(moe_checkpoint: asyncslab.Synthetic
 
 @pytest.mark.parametrize("transfer", ["staged", "mapped"])
 async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+    moe_checkpoint: SyntheticCheckpoint, transfer: str
 ) -> None:
     """A model swap: the old SlabSet dropped, its VRAM must be free for the next one."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
@@ -106,7 +107,7 @@ async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
 
 
 async def test_cuda_cancel_releases_staging_and_retry_succeeds(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -128,7 +129,7 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
 
 
 async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A copy to the device that raises mid-load, after some of its copies were enqueued:
     the load fails naming the read, but only once those copies have finished (they read
@@ -179,7 +180,7 @@ async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
 
 @pytest.mark.parametrize("transfer", ["staged", "mapped"])
 async def test_cuda_a_unit_is_on_the_device_when_its_callback_runs(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+    moe_checkpoint: SyntheticCheckpoint, transfer: str
 ) -> None:
     """on_unit_ready promises a usable unit: its bytes must already be on the device (the
     copies into it completed), not merely enqueued."""
@@ -214,7 +215,7 @@ async def test_cuda_a_unit_is_on_the_device_when_its_callback_runs(
 
 @pytest.mark.parametrize("window", [64 << 10, 32 << 20])
 async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, window: int, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, window: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Small windows: hundreds of registrations, tensors cut at window edges, several
     # registered at once by 4 threads; large ones: a shard whole in one registration.
@@ -261,7 +262,7 @@ async def test_cuda_mapped_load_is_bit_identical_with_no_host_memory(
 
 
 async def test_cuda_mapped_failing_registration_names_the_file(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from asyncslab import _mapped
 
@@ -286,7 +287,7 @@ async def test_cuda_mapped_failing_registration_names_the_file(
     monkeypatch.setattr(_mapped.CudaRegistry, "register", failing)
     options = LoadOptions(transfer="mapped", staging_bytes=4 * (64 << 10), staging_buffers=4)
     async with SlabSet(p, "cuda") as slabs:
-        with pytest.raises(asyncslab.ReadError, match="CUDA error") as info:
+        with pytest.raises(asyncslab.errors.ReadError, match="CUDA error") as info:
             await slabs.load(ckpt, options=options)
         assert info.value.file in {str(f.path) for f in ckpt.files}
         monkeypatch.undo()
@@ -296,7 +297,7 @@ async def test_cuda_mapped_failing_registration_names_the_file(
 
 
 async def test_cuda_device_without_an_index_is_the_current_one(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # The copies run on I/O threads, whose current device is 0: an index-less "cuda" would
     # put their streams and events on the wrong device of a multi-GPU machine.
@@ -307,7 +308,7 @@ async def test_cuda_device_without_an_index_is_the_current_one(
 
 @pytest.mark.parametrize("transfer", ["staged", "mapped"])
 async def test_cuda_copies_wait_for_work_queued_on_the_current_stream(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+    moe_checkpoint: SyntheticCheckpoint, transfer: str
 ) -> None:
     # The copy streams did not wait for the current stream: memory freed by work still
     # queued there (a model swap) could be handed to the slabs, and that work then wrote
@@ -327,13 +328,16 @@ async def test_cuda_copies_wait_for_work_queued_on_the_current_stream(
 
 @pytest.mark.parametrize("transfer", ["staged", "mapped"])
 async def test_cuda_load_into_given_device_tensors_keeps_their_memory(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+    moe_checkpoint: SyntheticCheckpoint, transfer: str
 ) -> None:
     """An engine's parameters on the GPU as the slabs (``tensors=``): copied into in place,
     bit-identical, and left allocated when the SlabSet closes."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    given = {name: torch.empty(spec.shape, dtype=spec.dtype, device="cuda") for name, spec in p.slabs.items()}
+    given = {
+        name: torch.empty(spec.shape, dtype=spec.dtype, device="cuda")
+        for name, spec in p.slabs.items()
+    }
     addresses = {name: t.data_ptr() for name, t in given.items()}
     slabs = SlabSet(p, tensors=given)
     assert slabs.device.type == "cuda"

@@ -35,9 +35,11 @@ from helpers import raw_bytes
 from safetensors import safe_open
 
 import asyncslab
-from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError, SyntheticSpec
+import asyncslab.testing
+from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
 from asyncslab import _distributed as distributed
 from asyncslab._distributed import DistributedLoadError, _share_chunks
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -59,8 +61,8 @@ SLICED_MODES = ("pre-sliced", "rows", "experts", "rows+experts")
 
 def _write_checkpoints(root: Path, world: int) -> Path:
     spec = SPECS[world]
-    asyncslab.write_synthetic(root / "whole", spec)
-    asyncslab.write_synthetic(root / "sliced", dataclasses.replace(spec, tp_ranks=world))
+    asyncslab.testing.write_synthetic(root / "whole", spec)
+    asyncslab.testing.write_synthetic(root / "sliced", dataclasses.replace(spec, tp_ranks=world))
     return root
 
 
@@ -754,7 +756,7 @@ def _refuse_open() -> Callable[[], None]:
     real = distributed._open_checked
 
     def refuse(path: Path, *args: Any, **kwargs: Any) -> int:
-        raise asyncslab.ReadError("cannot open it: permission denied (injected)", file=path)
+        raise asyncslab.errors.ReadError("cannot open it: permission denied (injected)", file=path)
 
     distributed._open_checked = refuse
 
@@ -1036,7 +1038,7 @@ def test_share_chunks_private_shared_and_balanced() -> None:
 
 
 def test_rank_plan_modes_partition_the_checkpoint(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     full = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
@@ -1063,9 +1065,9 @@ def test_rank_plan_modes_partition_the_checkpoint(
 
 
 def test_rank_plan_refuses_what_does_not_fit(tmp_path: Path) -> None:
-    whole = Checkpoint.open(asyncslab.write_synthetic(tmp_path / "w", SyntheticSpec()).root)
+    whole = Checkpoint.open(asyncslab.testing.write_synthetic(tmp_path / "w", SyntheticSpec()).root)
     sliced = Checkpoint.open(
-        asyncslab.write_synthetic(tmp_path / "s", SyntheticSpec(tp_ranks=2)).root
+        asyncslab.testing.write_synthetic(tmp_path / "s", SyntheticSpec(tp_ranks=2)).root
     )
     with pytest.raises(PlanError, match="sliced for 2 ranks, but the process group has 4"):
         distributed.rank_plan(sliced, mode="pre-sliced", rank=0, world=4)
@@ -1086,7 +1088,7 @@ def test_rank_plan_refuses_what_does_not_fit(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_load_needs_a_process_group(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_load_needs_a_process_group(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     plan = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
     with pytest.raises(LoadError, match="not initialized"):

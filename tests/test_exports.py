@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import json
 import pickle
 import types
 
@@ -21,6 +23,20 @@ def test_all_names_exist_and_nothing_public_is_missing() -> None:
     }
     assert public == set(asyncslab.__all__)
     assert len(asyncslab.__all__) == len(set(asyncslab.__all__))
+    assert len(asyncslab.__all__) <= 30  # a small face; the rest is in the submodules
+
+
+# asyncslab.vllm imports vLLM, which sets up process-wide state: its tests run it apart.
+@pytest.mark.parametrize("module", ["errors", "rules", "testing", "distributed"])
+def test_each_public_submodule_has_exactly_its_all(module: str) -> None:
+    mod = importlib.import_module(f"asyncslab.{module}")
+    for name in mod.__all__:
+        assert hasattr(mod, name), name
+    public = {n for n, v in vars(mod).items() if not n.startswith("_")}
+    public -= {"annotations"}
+    assert public - {n for n, v in vars(mod).items() if isinstance(v, types.ModuleType)} == set(
+        mod.__all__
+    )
 
 
 @pytest.mark.parametrize("name", _errors.__all__)
@@ -29,11 +45,35 @@ def test_every_error_has_the_base_and_a_builtin(name: str) -> None:
     assert issubclass(cls, asyncslab.AsyncSlabError)
     if cls is not asyncslab.AsyncSlabError:
         assert issubclass(cls, (ValueError, RuntimeError))
-    assert getattr(asyncslab, name) is cls
+    assert getattr(asyncslab.errors, name) is cls
+    # The base and the categories right under it are at the top level too.
+    direct = cls.__mro__[1] is asyncslab.AsyncSlabError or cls is asyncslab.AsyncSlabError
+    assert (getattr(asyncslab, name, None) is cls) == direct
+
+
+def test_import_asyncslab_loads_the_loader_not_the_writers() -> None:
+    """The synthetic writer (and safetensors' torch saver it brings), the command line and
+    the benchmark stay out of a server's ``import asyncslab``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, asyncslab; "
+        "print(json.dumps([m for m in sys.modules if m.startswith(('asyncslab', 'safetensors'))]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = json.loads(out.stdout)
+    for module in (
+        "asyncslab._synthetic",
+        "asyncslab._cli",
+        "asyncslab._bench",
+        "safetensors.torch",
+    ):
+        assert module not in loaded, loaded
 
 
 def test_errors_keep_their_pieces_and_pickle() -> None:
-    err = asyncslab.DtypeMismatchError(
+    err = asyncslab.errors.DtypeMismatchError(
         "dtype I32, plan expects I16",
         file="model-00003.safetensors",
         tensor="model.layers.4.mlp.experts.17.up_proj.trellis",
@@ -82,4 +122,5 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
 
     for module in sorted(graph):
         visit(module, [])
-    assert "_vocab" in graph and graph["_vocab"] <= {"_errors", "_format"}  # a leaf
+    assert "_vocab" in graph
+    assert graph["_vocab"] <= {"_errors", "_format"}

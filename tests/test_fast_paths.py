@@ -28,19 +28,12 @@ from safetensors.torch import save_file
 from asyncslab import (
     AsyncSlabError,
     Checkpoint,
-    Claim,
-    CoverageError,
     Dense,
-    DtypeMismatchError,
-    IndexFileError,
     PlanError,
-    SlabSpec,
     Stack,
-    SyntheticSpec,
     TensorInfo,
     TieredMoE,
     plan,
-    write_synthetic,
 )
 from asyncslab._format import (
     _ITEMSIZE,
@@ -52,6 +45,9 @@ from asyncslab._format import (
 )
 from asyncslab._plan import _valid, _validate
 from asyncslab._vocab import Route, make_route, unit_of_layer
+from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
+from asyncslab.rules import Claim, SlabSpec
+from asyncslab.testing import SyntheticSpec, write_synthetic
 
 HERE = Path("<test>")
 

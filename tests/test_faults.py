@@ -36,16 +36,15 @@ from asyncslab import (
     Checkpoint,
     IncompleteLoadError,
     LoadOptions,
-    ReadError,
     SlabSet,
-    SyntheticSpec,
     _loader,
     load,
     plan,
-    write_synthetic,
 )
 from asyncslab import _read as read_module
 from asyncslab._read import pread_scatter, scatter
+from asyncslab.errors import ReadError
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
@@ -67,7 +66,7 @@ PATHS = {"direct": SMALL, "staged": SMALL_STAGED}
 
 
 @pytest.fixture
-def fresh_small(tmp_path: Path) -> asyncslab.SyntheticCheckpoint:
+def fresh_small(tmp_path: Path) -> SyntheticCheckpoint:
     """A small checkpoint the test may damage."""
     spec = SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32, vocab=128)
     return write_synthetic(tmp_path / "ckpt", spec)
@@ -95,7 +94,7 @@ def assert_units_all_or_nothing(slabs: SlabSet, ckpt: Checkpoint) -> tuple[int, 
     expected = expected_bytes(ckpt)
     p = slabs.plan
     done = slabs.statistics().unit_completed_at
-    routes_of: dict[str, list[asyncslab.Route]] = {u: [] for u in p.units}
+    routes_of: dict[str, list[asyncslab.rules.Route]] = {u: [] for u in p.units}
     for r in p.routes:
         routes_of[r.unit].append(r)
     complete = incomplete = 0
@@ -222,7 +221,7 @@ def trimmed(buffers: Sequence[memoryview], limit: int) -> list[memoryview]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("keep", ["nothing", "header", "half", "all-but-one"])
 async def test_truncated_between_stat_check_and_read(
-    fresh_small: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, keep: str
+    fresh_small: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, keep: str
 ) -> None:
     ckpt = Checkpoint.open(fresh_small.root)
     expected_bytes(ckpt)  # before the damage
@@ -257,7 +256,7 @@ async def test_truncated_between_stat_check_and_read(
     assert await wait_io_threads_gone() == []
     # The next load notices the size change before reading anything.
     monkeypatch.undo()
-    with pytest.raises(asyncslab.FileChangedError, match=victim.path.name):
+    with pytest.raises(asyncslab.errors.FileChangedError, match=victim.path.name):
         await slabs.load(ckpt, options=SMALL)
     await slabs.aclose()
 
@@ -266,7 +265,7 @@ async def test_truncated_between_stat_check_and_read(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["deleted", "renamed-away", "replaced", "directory", "fifo"])
 async def test_file_gone_or_replaced_after_planning(
-    fresh_small: asyncslab.SyntheticCheckpoint, how: str
+    fresh_small: SyntheticCheckpoint, how: str
 ) -> None:
     ckpt = Checkpoint.open(fresh_small.root)
     p = plan(ckpt)
@@ -282,14 +281,14 @@ async def test_file_gone_or_replaced_after_planning(
     elif how == "fifo":  # opening a FIFO for reading blocks until a writer comes: never
         os.mkfifo(victim)
     fds = open_fds()
-    with pytest.raises((ReadError, asyncslab.FileChangedError)) as info:
+    with pytest.raises((ReadError, asyncslab.errors.FileChangedError)) as info:
         await load(ckpt, p, options=SMALL)
     assert info.value.file == str(victim)
     if how in ("deleted", "renamed-away"):
         assert isinstance(info.value, ReadError)
         assert isinstance(info.value.__cause__, FileNotFoundError)
     else:
-        assert isinstance(info.value, asyncslab.FileChangedError)
+        assert isinstance(info.value, asyncslab.errors.FileChangedError)
     assert open_fds() == fds
     assert await wait_io_threads_gone() == []
 
@@ -297,7 +296,7 @@ async def test_file_gone_or_replaced_after_planning(
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_file_unlinked_after_open_still_loads(
-    fresh_small: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    fresh_small: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # POSIX: an open fd keeps the inode; once the loader holds it, deleting the name is
     # harmless and the load stays bit-exact.
@@ -325,7 +324,7 @@ async def test_file_unlinked_after_open_still_loads(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("policy", ["random", "half-then-rest", "one-byte-first"])
 async def test_short_reads_still_land_bit_exact(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], policy: str
+    small_checkpoint: SyntheticCheckpoint, fake_os: Callable[..., FakeOs], policy: str
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
@@ -426,7 +425,7 @@ def _count_reads(ckpt: Checkpoint, p: asyncslab.Plan, options: LoadOptions) -> i
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", range(6))
 async def test_eio_on_a_random_read(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     fake_os: Callable[..., FakeOs],
     seed: int,
     path: str,
@@ -485,7 +484,7 @@ async def test_eio_on_a_random_read(
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_error_in_one_file_while_others_are_in_flight(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+    small_checkpoint: SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
@@ -554,7 +553,7 @@ async def test_error_in_one_file_while_others_are_in_flight(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("via", ["task.cancel", "task.cancel+spin", "aclose"])
 async def test_cancel_before_the_load_task_first_runs(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, via: str
+    small_checkpoint: SyntheticCheckpoint, via: str
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
@@ -583,7 +582,7 @@ async def test_cancel_before_the_load_task_first_runs(
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_aclose_while_awaited_load_runs(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+    small_checkpoint: SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
 ) -> None:
     # aclose() must stop a load that another task runs with ``await slabs.load()`` (not
     # only one begun with start()), and must not free the slabs under its reads.
@@ -690,7 +689,7 @@ CANCEL_MODES = [
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", PATHS)
 async def test_cancel_at_random_points_leaks_nothing(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs], path: str
+    small_checkpoint: SyntheticCheckpoint, fake_os: Callable[..., FakeOs], path: str
 ) -> None:
     options = PATHS[path]
     ckpt = Checkpoint.open(small_checkpoint.root)
@@ -760,7 +759,7 @@ async def test_several_slabsets_load_at_once(tmp_path: Path) -> None:
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_second_load_into_the_same_slabset_is_refused(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
+    small_checkpoint: SyntheticCheckpoint, fake_os: Callable[..., FakeOs]
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
@@ -801,7 +800,7 @@ async def test_second_load_into_the_same_slabset_is_refused(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_beside_it(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     fake_os: Callable[..., FakeOs],
     path: str,
 ) -> None:
@@ -823,13 +822,13 @@ async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_
     first = slabs.start(ckpt, options=options)
     with pytest.raises(asyncslab.IncompleteLoadError) as info:
         await slabs.ready()
-    assert isinstance(info.value.__cause__, asyncslab.ReadTimeoutError)
+    assert isinstance(info.value.__cause__, asyncslab.errors.ReadTimeoutError)
     del info
     assert not first.done()  # still draining
     slabs.reset()
     with pytest.raises(asyncslab.LoadError, match="cannot be reused") as refused:
         await slabs.load(ckpt, options=options)
-    assert not isinstance(refused.value, asyncslab.ReadTimeoutError)  # it read nothing
+    assert not isinstance(refused.value, asyncslab.errors.ReadTimeoutError)  # it read nothing
     assert first.done()
     assert fake.in_flight > 0  # the stuck reads are still out
     await slabs.aclose()
@@ -842,7 +841,7 @@ async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", PATHS)
 async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     fake_os: Callable[..., FakeOs],
     monkeypatch: pytest.MonkeyPatch,
     path: str,
@@ -881,7 +880,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     options = LoadOptions(read_timeout=0.05, io_workers=2)
     if path == "staged":
         options = replace(options, transfer="staged", staging_buffers=2, staging_bytes=2 << 16)
-    with pytest.raises(asyncslab.ReadTimeoutError):
+    with pytest.raises(asyncslab.errors.ReadTimeoutError):
         await slabs.load(ckpt, options=options)
     if path == "staged":
         assert len(slab_refs) > 1  # the stuck reads' buffers are among the tracked
@@ -904,7 +903,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_file_replaced_between_start_and_its_open_is_refused_not_read(
-    fresh_small: asyncslab.SyntheticCheckpoint, path: str
+    fresh_small: SyntheticCheckpoint, path: str
 ) -> None:
     """start() checks every shard against the plan, but the files are opened only when the
     load's task first runs; a shard swapped in between (same size, another inode, other
@@ -921,7 +920,7 @@ async def test_a_file_replaced_between_start_and_its_open_is_refused_not_read(
     replacement = victim.path.with_name("replacement.tmp")
     replacement.write_bytes(bytes(data))
     os.replace(replacement, victim.path)
-    with pytest.raises(asyncslab.FileChangedError, match="replaced or modified") as info:
+    with pytest.raises(asyncslab.errors.FileChangedError, match="replaced or modified") as info:
         await task
     assert info.value.file == str(victim.path)
     assert slabs.state == "failed"

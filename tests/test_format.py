@@ -26,22 +26,18 @@ from malformed import CASES, Case, E, build, header, obj, one
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
-from asyncslab import (
-    AsyncSlabError,
-    Checkpoint,
-    CheckpointError,
+from asyncslab import AsyncSlabError, Checkpoint, CheckpointError, ShardFile, TensorInfo
+from asyncslab._format import DTYPES, parse_header, read_header, safetensors_dtype
+from asyncslab.errors import (
     DuplicateKeyError,
     HeaderError,
     HeaderJSONError,
     MissingFileError,
     OffsetError,
     PayloadSizeError,
-    ShardFile,
     SizeMismatchError,
-    TensorInfo,
     UnknownDtypeError,
 )
-from asyncslab._format import DTYPES, parse_header, read_header, safetensors_dtype
 
 # --- helpers ------------------------------------------------------------------------------
 

@@ -40,7 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import AsyncSlabError, Checkpoint, LoadOptions, SyntheticSpec, write_synthetic
+from asyncslab import AsyncSlabError, Checkpoint, LoadOptions
+from asyncslab.testing import SyntheticSpec, write_synthetic
 
 try:
     import uvloop

@@ -11,18 +11,9 @@ import torch
 from helpers import raw_bytes
 from safetensors.torch import save_file
 
-from asyncslab import (
-    Checkpoint,
-    Claim,
-    CoverageError,
-    LoadOptions,
-    PlanError,
-    SlabSet,
-    SlabSpec,
-    TensorInfo,
-    make_route,
-    plan,
-)
+from asyncslab import Checkpoint, LoadOptions, PlanError, SlabSet, TensorInfo, plan
+from asyncslab.errors import CoverageError
+from asyncslab.rules import Claim, SlabSpec, make_route
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor]]:

@@ -16,9 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from asyncslab import (
-    Checkpoint,
-    CheckpointError,
+from asyncslab import Checkpoint, CheckpointError
+from asyncslab.errors import (
     DuplicateTensorError,
     HeaderError,
     IndexFileError,

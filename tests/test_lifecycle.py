@@ -25,11 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet, SyntheticSpec, plan, write_synthetic
+from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab import _copy as copy_module
 from asyncslab._format import _gc_paused
 from asyncslab._loader import _forget_locals
 from asyncslab._read import pread_scatter
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -45,7 +46,7 @@ def failing_first_read(monkeypatch: pytest.MonkeyPatch, *, others_take: float) -
     def read(*args: Any, **kwargs: Any) -> int:
         if next(calls) == 0:
             time.sleep(0.02)
-            raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+            raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
         time.sleep(others_take)
         return pread_scatter(*args, **kwargs)
 
@@ -53,7 +54,7 @@ def failing_first_read(monkeypatch: pytest.MonkeyPatch, *, others_take: float) -
 
 
 async def test_concurrent_acloses_free_the_slabs_only_once_no_read_is_left(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Two shutdown paths (a signal handler, the lifespan's exit) each close the slabs. The
     # second used to find no task and free the slabs at once, under running reads (a tensor
@@ -76,7 +77,7 @@ async def test_concurrent_acloses_free_the_slabs_only_once_no_read_is_left(
 
 
 async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # ready() reports a failure while that load still drains its threads; a retry is started
     # and the server shuts down before the retry's first step. aclose() used to wait for the
@@ -87,7 +88,7 @@ async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
     failed = slabs.start(ckpt, options=SMALL)
     with pytest.raises(asyncslab.IncompleteLoadError) as info:
         await slabs.ready()
-    assert isinstance(info.value.__cause__, asyncslab.ReadError)
+    assert isinstance(info.value.__cause__, asyncslab.errors.ReadError)
     assert not failed.done()  # still draining
     retry = slabs.start(ckpt, options=SMALL)
     await slabs.aclose()
@@ -97,7 +98,7 @@ async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
 
 
 async def test_aclose_from_a_unit_callback_is_refused_instead_of_waiting_for_itself(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # aclose() cancels and waits for the load, whose task group waits for this callback:
     # that hung the load, the slabs and the process's exit.
@@ -120,7 +121,7 @@ async def test_aclose_from_a_unit_callback_is_refused_instead_of_waiting_for_its
 
 
 async def test_start_outside_an_event_loop_leaves_the_slabset_as_it_was(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # start() marked the SlabSet "loading" before finding no loop to run in: every later
     # load was "already running" and reset() refused, for good.
@@ -197,7 +198,7 @@ async def test_view_and_statistics_follow_the_plan_of_the_last_load(tmp_path: Pa
 
 
 async def test_ready_returns_once_the_load_ended_so_a_reload_may_start_at_once(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     slabs = SlabSet(plan(ckpt))
@@ -211,7 +212,7 @@ async def test_ready_returns_once_the_load_ended_so_a_reload_may_start_at_once(
 
 @pytest.mark.parametrize("how", ["callback fails", "progress fails at the end", "cancelled"])
 async def test_ready_raises_when_the_load_breaks_after_every_unit_landed(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, how: str
+    small_checkpoint: SyntheticCheckpoint, how: str
 ) -> None:
     # The slabs are exact, but what the server does with them (a unit callback) did not
     # finish: ready() used to return as if the load had succeeded.
@@ -255,7 +256,7 @@ async def test_ready_raises_when_the_load_breaks_after_every_unit_landed(
 
 
 async def test_a_failing_final_progress_call_fails_the_load_as_any_progress_call(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # load() used to raise the bare ValueError while the state said "complete".
     ckpt = Checkpoint.open(small_checkpoint.root)
@@ -273,7 +274,7 @@ async def test_a_failing_final_progress_call_fails_the_load_as_any_progress_call
 
 
 async def test_a_unit_callback_that_ends_cancelled_fails_the_load(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # A callback awaiting something that was cancelled ends in CancelledError of its own; a
     # task group takes that for a clean end, and the load reported complete with that
@@ -297,7 +298,7 @@ async def test_a_unit_callback_that_ends_cancelled_fails_the_load(
 
 
 async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A health check calling ready() after the load failed got no cause, and asyncio logged
     # the load task's error as never retrieved although ready() had reported it.
@@ -310,7 +311,7 @@ async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
         assert slabs.state == "failed"
         with pytest.raises(asyncslab.IncompleteLoadError, match="is incomplete") as info:
             await slabs.ready()
-        assert isinstance(info.value.__cause__, asyncslab.ReadError)
+        assert isinstance(info.value.__cause__, asyncslab.errors.ReadError)
         del info, task, slabs
         await asyncio.sleep(0)
         gc.collect()  # a failed load's tracebacks hold frames: cycles
@@ -318,7 +319,7 @@ async def test_a_late_ready_after_a_failure_has_its_cause_and_nothing_is_logged(
 
 
 async def test_cancelled_ready_callers_leave_no_waiter_behind(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # ready() waits on a future of its own per call: callers cancelled mid-wait leave none
     # behind, and a later caller is still woken.
@@ -337,7 +338,7 @@ async def test_cancelled_ready_callers_leave_no_waiter_behind(
 
 @pytest.mark.parametrize("retry", ["succeeds", "fails"])
 async def test_ready_judges_the_slabs_after_a_retry_began_while_it_waited(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, retry: str
+    small_checkpoint: SyntheticCheckpoint, retry: str
 ) -> None:
     # The load failed after every unit landed; its caller reset the slabs and started a
     # retry before a health check's ready() resumed, and ready() returned normally with no
@@ -379,7 +380,7 @@ async def test_ready_judges_the_slabs_after_a_retry_began_while_it_waited(
 
 
 async def test_ready_raises_when_the_slabs_were_reset_by_the_final_progress_call(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     slabs = SlabSet(plan(ckpt))
@@ -398,7 +399,7 @@ async def test_ready_raises_when_the_slabs_were_reset_by_the_final_progress_call
 
 @pytest.mark.parametrize("change", ["rewritten", "deleted"])
 async def test_a_swap_refused_for_a_changed_file_leaves_the_served_slabs_as_they_were(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path, change: str
+    small_checkpoint: SyntheticCheckpoint, tmp_path: Path, change: str
 ) -> None:
     # The refusal came at the first open, after the slabs had been reset: the model being
     # served was marked failed and refused access, its bytes intact.
@@ -413,7 +414,8 @@ async def test_a_swap_refused_for_a_changed_file_leaves_the_served_slabs_as_they
         shard.write_bytes(shard.read_bytes() + b"\0")
     else:
         shard.unlink()
-    expected = asyncslab.FileChangedError if change == "rewritten" else asyncslab.ReadError
+    errors = asyncslab.errors
+    expected = errors.FileChangedError if change == "rewritten" else errors.ReadError
     with pytest.raises(expected, match=re.escape(shard.name)):
         slabs.start(other, plan=other_plan, options=SMALL)
     with pytest.raises(expected):
@@ -426,7 +428,7 @@ async def test_a_swap_refused_for_a_changed_file_leaves_the_served_slabs_as_they
 
 
 async def test_a_plain_unit_callback_fails_the_load_saying_it_must_be_async(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # It failed with torch's "object NoneType can't be used in 'await' expression".
     ckpt = Checkpoint.open(small_checkpoint.root)
@@ -446,7 +448,7 @@ async def test_a_plain_unit_callback_fails_the_load_saying_it_must_be_async(
     "how", ["unit callback", "progress callback", "read error", "cancelled", "start"]
 )
 async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_collector(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     monkeypatch: pytest.MonkeyPatch,
     how: str,
     transfer: str,
@@ -520,7 +522,7 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
 
 @pytest.mark.parametrize("how", ["from", "again"])
 async def test_a_failed_load_leaves_coroutines_that_caught_its_cause_running(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, how: str
+    small_checkpoint: SyntheticCheckpoint, how: str
 ) -> None:
     """A unit callback raises ``from`` an error that a client's reader task caught and went
     on running after (reconnecting), or raises that error again (a request failing fast
@@ -564,7 +566,7 @@ async def test_a_failed_load_leaves_coroutines_that_caught_its_cause_running(
 
 
 async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ready() raises while the failed load's task still drains; a server then resets and
     reloads at once. The failed load's frames must still be let go of when its task ends
@@ -639,7 +641,7 @@ async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
         if str(kwargs["path"]).startswith(str(written_b.root)):
             if next(calls) == 0:
                 time.sleep(0.02)
-                raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+                raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
             time.sleep(0.5)  # B's other reads: B drains while A fails
         return pread_scatter(*args, **kwargs)
 
@@ -680,11 +682,11 @@ async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
         await asyncio.to_thread(thread.join, 30)
         b_loop.close()
     assert len(ended) == 1
-    assert isinstance(ended[0], asyncslab.ReadError), repr(ended[0])
+    assert isinstance(ended[0], asyncslab.errors.ReadError), repr(ended[0])
 
 
 async def test_a_unit_callback_that_returned_keeps_its_frame(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """Only a failed callback's frame is cleared (it lies in the load's error); one that
     returned keeps its locals for whatever kept its frame (a profiler, a stored error)."""
@@ -703,7 +705,7 @@ async def test_a_unit_callback_that_returned_keeps_its_frame(
 
 
 async def test_a_paced_load_reads_nothing_before_its_pace_allows_and_closes_at_once(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``max_bytes_per_s`` holds each read back until the bytes up to its end are due at
     that rate: at 1 byte/s no read of a 300 KB load may start for hours. Guards against the
@@ -789,7 +791,7 @@ async def test_bytes_landed_counts_only_routed_bytes_when_reads_span_skipped_ten
 
 
 async def test_progress_is_not_called_per_read_within_its_interval(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """With an interval longer than the load, reads that land call nothing: the callback
     is called once when the reads end and once with the final state. Called on every
@@ -807,7 +809,7 @@ async def test_progress_is_not_called_per_read_within_its_interval(
 
 
 async def test_reset_after_a_failed_load_leaves_no_figure_or_error_of_it(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """reset() makes the slabs empty: statistics must not go on reporting the failed load's
     error, reads or bytes (a health check would show an empty SlabSet as broken, or a
@@ -815,7 +817,7 @@ async def test_reset_after_a_failed_load_leaves_no_figure_or_error_of_it(
     ckpt = Checkpoint.open(small_checkpoint.root)
     failing_first_read(monkeypatch, others_take=0.0)
     async with SlabSet(plan(ckpt)) as slabs:
-        with pytest.raises(asyncslab.ReadError, match="injected EIO"):
+        with pytest.raises(asyncslab.errors.ReadError, match="injected EIO"):
             await slabs.load(ckpt, options=SMALL)
         assert slabs.statistics().error
         slabs.reset()

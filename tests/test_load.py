@@ -30,18 +30,12 @@ from helpers import (
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import (
-    Checkpoint,
-    LoadOptions,
-    SlabSet,
-    SyntheticSpec,
-    load,
-    plan,
-    write_synthetic,
-)
+from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
 from asyncslab import _copy as copy_module
 from asyncslab._format import _gc_paused
 from asyncslab._read import Scatter, pread_scatter, scatter
+from asyncslab.errors import ReadError
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 pytestmark = pytest.mark.asyncio
 
@@ -50,7 +44,7 @@ pytestmark = pytest.mark.asyncio
 SMALL = LoadOptions(read_size=64 << 10, coalesce_gap=256, io_workers=3)
 
 
-async def test_tiered_moe_lands_bit_identical(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_tiered_moe_lands_bit_identical(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt, tier_map=moe_checkpoint.tier_map_path)
     slabs = await load(ckpt, p, options=SMALL)
@@ -68,7 +62,7 @@ async def test_tiered_moe_lands_bit_identical(moe_checkpoint: asyncslab.Syntheti
 
 
 async def test_default_options_and_experts_straddling_files(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -119,7 +113,7 @@ async def test_zero_size_scalars_and_many_dtypes(tmp_path: Path) -> None:
         assert torch.equal(raw_bytes(got), raw_bytes(t))
 
 
-async def test_views_are_zero_copy(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_views_are_zero_copy(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     slabs = await load(ckpt, p)
@@ -157,7 +151,7 @@ async def test_reload_keeps_every_pointer(tmp_path: Path) -> None:
     assert_bit_identical(slabs, ckpt_b)
 
 
-async def test_incomplete_slab_is_refused(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_incomplete_slab_is_refused(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     async with SlabSet(p) as slabs:
@@ -183,7 +177,7 @@ async def test_plan_for_other_files_is_refused(tmp_path: Path) -> None:
             await slabs.load(ckpt_c, plan=plan(ckpt_c))
 
 
-async def test_unit_callbacks_overlap_the_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_unit_callbacks_overlap_the_load(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     seen: list[str] = []
@@ -198,7 +192,7 @@ async def test_unit_callbacks_overlap_the_load(moe_checkpoint: asyncslab.Synthet
     assert sorted(seen) == sorted(p.units)
 
 
-async def test_failing_callback_fails_the_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_failing_callback_fails_the_load(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
 
@@ -210,7 +204,7 @@ async def test_failing_callback_fails_the_load(moe_checkpoint: asyncslab.Synthet
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
-async def test_ready_waits_for_a_background_load(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_ready_waits_for_a_background_load(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     async with SlabSet(p) as slabs:
@@ -223,7 +217,7 @@ async def test_ready_waits_for_a_background_load(moe_checkpoint: asyncslab.Synth
 
 @pytest.mark.parametrize("observed", [True, False])
 async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, observed: bool
+    moe_checkpoint: SyntheticCheckpoint, observed: bool
 ) -> None:
     """A server that starts a load and awaits ready() gets the failure there; asyncio must
     not log it again, as unseen, when the task goes. A failure nobody looked at still is."""
@@ -251,7 +245,7 @@ async def test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved(
 
 
 async def test_a_slabset_loads_under_one_event_loop_after_another(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """A synchronous caller runs each step in an asyncio.run of its own: the SlabSet, and
     ready() waiting in each, must not stay bound to the first loop."""
@@ -287,7 +281,7 @@ async def test_a_slabset_loads_under_one_event_loop_after_another(
 
 
 async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -334,7 +328,7 @@ async def test_too_many_shards_for_the_open_file_limit_is_a_clear_error(tmp_path
     limit = before + shards // 2
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
     try:
-        with pytest.raises(asyncslab.ReadError) as info:
+        with pytest.raises(ReadError) as info:
             await slabs.load(ckpt)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -352,7 +346,7 @@ async def test_too_many_shards_for_the_open_file_limit_is_a_clear_error(tmp_path
 
 
 async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -363,13 +357,13 @@ async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
         calls += 1
         if calls == 3:
             os_error = OSError(errno.EIO, "Input/output error")
-            raise asyncslab.ReadError("read failed: Input/output error", file=path) from os_error
+            raise ReadError("read failed: Input/output error", file=path) from os_error
         return pread_scatter(fd, target, offset, path=path)
 
     monkeypatch.setattr(copy_module, "pread_scatter", flaky)
     fds_before = open_fds()
     async with SlabSet(p) as slabs:
-        with pytest.raises(asyncslab.ReadError, match=r"model-0000\d-of-00003\.safetensors") as info:
+        with pytest.raises(ReadError, match=r"model-0000\d-of-00003\.safetensors") as info:
             await slabs.load(ckpt, options=SMALL)
         assert isinstance(info.value.__cause__, OSError)
         assert info.value.__cause__.errno == errno.EIO
@@ -384,28 +378,28 @@ async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
 async def test_real_eio_from_the_os_becomes_read_error(tmp_path: Path) -> None:
     # A directory fd makes preadv fail with EISDIR: a real OSError through the real path.
     buffer = torch.zeros(4, dtype=torch.uint8)
-    with pytest.raises(asyncslab.ReadError, match="failed") as info:
+    with pytest.raises(ReadError, match="failed") as info:
         pread_scatter(os.open(tmp_path, os.O_RDONLY), scatter([(buffer.data_ptr(), 4)]), 0, path="dir")
     assert isinstance(info.value.__cause__, OSError)
 
 
-async def test_file_truncated_after_planning(fresh_moe: asyncslab.SyntheticCheckpoint) -> None:
+async def test_file_truncated_after_planning(fresh_moe: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(fresh_moe.root)
     p = plan(ckpt)
     victim = ckpt.files[1].path
     os.truncate(victim, ckpt.files[1].size - 100)
-    with pytest.raises(asyncslab.FileChangedError, match=victim.name):
+    with pytest.raises(asyncslab.errors.FileChangedError, match=victim.name):
         await load(ckpt, p)
 
 
-async def test_file_rewritten_after_planning(fresh_moe: asyncslab.SyntheticCheckpoint) -> None:
+async def test_file_rewritten_after_planning(fresh_moe: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(fresh_moe.root)
     p = plan(ckpt)
     victim = ckpt.files[0].path
     data = victim.read_bytes()
     victim.unlink()
     victim.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
-    with pytest.raises(asyncslab.FileChangedError, match="changed since it was planned"):
+    with pytest.raises(asyncslab.errors.FileChangedError, match="changed since it was planned"):
         await load(ckpt, p)
 
 
@@ -414,7 +408,7 @@ async def test_file_shrinking_during_read_is_a_short_read(tmp_path: Path) -> Non
     path.write_bytes(b"abc")
     fd = os.open(path, os.O_RDONLY)
     try:
-        with pytest.raises(asyncslab.ReadError, match="ended early"):
+        with pytest.raises(ReadError, match="ended early"):
             buffer = torch.zeros(8, dtype=torch.uint8)
             pread_scatter(fd, scatter([(buffer.data_ptr(), 8)]), 0, path=str(path))
     finally:
@@ -422,13 +416,13 @@ async def test_file_shrinking_during_read_is_a_short_read(tmp_path: Path) -> Non
 
 
 async def test_stalled_read_times_out_and_marks_slabs_unusable(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     slow_reads(monkeypatch, 1.0)
     slabs = SlabSet(p)
-    with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=0.05"):
+    with pytest.raises(asyncslab.errors.ReadTimeoutError, match="read_timeout=0.05"):
         await slabs.load(ckpt, options=LoadOptions(read_timeout=0.05))
     # The stalled thread may still write into these slabs, so they refuse another load.
     with pytest.raises(asyncslab.LoadError, match="cannot be reused"):
@@ -442,7 +436,7 @@ async def test_stalled_read_times_out_and_marks_slabs_unusable(
 
 @pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
 async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, transfer: str
+    moe_checkpoint: SyntheticCheckpoint, transfer: str
 ) -> None:
     """A server that swaps models drops the old SlabSet and allocates the next: the old
     slabs must go with the last reference, not with a collection that may come minutes
@@ -464,7 +458,7 @@ async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
         assert [b() for b in backings] == [None, None]
 
 
-async def test_closed_slabset(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_closed_slabset(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = await load(ckpt, plan(ckpt))
     await slabs.aclose()
@@ -501,7 +495,7 @@ async def test_event_loop_stays_responsive(tmp_path: Path) -> None:
     )
 
 
-async def test_duplicate_landing_is_an_error(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_duplicate_landing_is_an_error(moe_checkpoint: SyntheticCheckpoint) -> None:
     from asyncslab._tracker import Tracker
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
@@ -515,7 +509,7 @@ async def test_duplicate_landing_is_an_error(moe_checkpoint: asyncslab.Synthetic
 
 
 async def test_duplicate_read_in_schedule_fails_the_load(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from asyncslab import _loader
     from asyncslab._schedule import Schedule, schedule
@@ -530,7 +524,7 @@ async def test_duplicate_read_in_schedule_fails_the_load(
         await load(ckpt, plan(ckpt), options=LoadOptions(io_workers=1))
 
 
-async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_staged_path_respects_the_budget(moe_checkpoint: SyntheticCheckpoint) -> None:
     """The staging buffers (what a CUDA target uses) exercised on CPU: tensors larger than a
     buffer move in chunks, and staging in use never exceeds the budget."""
     ckpt = Checkpoint.open(moe_checkpoint.root)
@@ -546,7 +540,7 @@ async def test_staged_path_respects_the_budget(moe_checkpoint: asyncslab.Synthet
 
 
 async def test_staged_reads_fit_buffers_rounded_down_as_pinned_ones_are(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pinned staging buffers are a power of two each, rounded down (see staging_budget):
     the reads must be cut to the buffer as made, not to the size asked, or they would run
@@ -587,7 +581,7 @@ async def test_a_staged_read_never_writes_past_its_buffer(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize("copy_all", ["torch", "per piece"])
 async def test_staged_reads_take_one_syscall_and_one_copy_call_each(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
     monkeypatch: pytest.MonkeyPatch,
     copy_all: str,
 ) -> None:
@@ -637,7 +631,7 @@ def _schedule_ops(p: asyncslab.Plan, options: LoadOptions) -> list[Any]:
 
 
 async def test_staged_load_pins_one_buffer_per_thread_on_the_threads(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Many more reads than buffers: each I/O thread makes its buffer once, off the event
     loop, and reuses it; the bytes land exactly."""
@@ -663,7 +657,7 @@ async def test_staged_load_pins_one_buffer_per_thread_on_the_threads(
 
 
 async def test_a_failing_staged_copy_fails_the_load_naming_the_read(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A copy out of a staging buffer that raises (on a GPU: a CUDA error) fails the load
     with an error naming the file, offset and first tensor of that read; nothing is left
@@ -703,7 +697,7 @@ async def test_a_failing_staged_copy_fails_the_load_naming_the_read(
 
 
 async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pinning happens during the load now (a buffer when a read first needs it): if it
     fails, the load fails with that error, leaves no fd or thread behind, and the next
@@ -737,7 +731,7 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
 
 
 async def test_slab_mapping_membership_does_not_need_completeness(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -751,7 +745,7 @@ async def test_slab_mapping_membership_does_not_need_completeness(
 
 @pytest.mark.parametrize("staged", [False, True])
 async def test_paced_load_reports_progress_and_needed_bytes_at_once(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, staged: bool
+    moe_checkpoint: SyntheticCheckpoint, staged: bool
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -771,7 +765,7 @@ async def test_paced_load_reports_progress_and_needed_bytes_at_once(
 
 
 async def test_slot_refuses_what_is_not_an_in_range_slot(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -819,7 +813,7 @@ async def test_unrepresentable_zero_size_slab_is_refused_at_allocation(tmp_path:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
 @pytest.mark.parametrize("io_nice", [19, 10, 0])
 async def test_io_threads_run_niced_and_the_loop_does_not(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, io_nice: int
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, io_nice: int
 ) -> None:
     """Reads run on threads whose nice value is raised by ``io_nice``; the event-loop thread
     (and the process) keep theirs."""
@@ -882,7 +876,7 @@ async def test_load_options_take_integers_of_any_kind_as_ints() -> None:
 
 
 async def test_an_unknown_unit_is_refused_showing_the_plans_units(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -901,7 +895,7 @@ async def test_an_unknown_unit_is_refused_showing_the_plans_units(
 
 
 async def test_failing_callback_stops_landing_without_orphan_callbacks(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """Reads still in flight when a unit callback fails land nothing more: no callback
     coroutine is created for the task group that is shutting down (it would never be

@@ -39,6 +39,7 @@ from test_faults import (
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, _loader, _mapped, plan
 from asyncslab._schedule import ReadOp, windows
+from asyncslab.testing import SyntheticCheckpoint
 
 # Windows of two pages, three threads: hundreds of registrations per load, tensors cut at
 # window edges, several registered at once.
@@ -115,7 +116,7 @@ def mapped_shards(ckpt: Checkpoint) -> list[str]:
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_mapped_load_is_bit_identical_and_leaves_nothing_mapped(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry
+    moe_checkpoint: SyntheticCheckpoint, registry: RecordingRegistry
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -148,7 +149,7 @@ async def test_a_mapped_load_is_bit_identical_and_leaves_nothing_mapped(
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_mapped_load_with_large_windows_reads_whole_shards(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry
+    moe_checkpoint: SyntheticCheckpoint, registry: RecordingRegistry
 ) -> None:
     # The defaults: windows of 32 MiB hold a small shard whole.
     ckpt = Checkpoint.open(moe_checkpoint.root)
@@ -161,7 +162,7 @@ async def test_mapped_load_with_large_windows_reads_whole_shards(
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -169,7 +170,7 @@ async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
     monkeypatch.setattr(_loader, "PopulateRegistry", lambda: failing)
     fds = open_fds()
     async with SlabSet(p) as slabs:
-        with pytest.raises(asyncslab.ReadError) as info:
+        with pytest.raises(asyncslab.errors.ReadError) as info:
             await slabs.load(ckpt, options=MAPPED)
         err = info.value
         assert re.search(r"cannot register the \d+ bytes at offset \d+ .*: .*injected", str(err))
@@ -193,7 +194,7 @@ async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_failing_mapped_copy_fails_the_load_and_undoes_its_registration(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
     registry: RecordingRegistry,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -244,7 +245,7 @@ class UnregisterFails(RecordingRegistry):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("copy_fails", [False, True], ids=["after-its-copy", "after-a-failed-copy"])
 async def test_a_range_left_registered_keeps_its_shard_mapped(
-    fresh_moe: asyncslab.SyntheticCheckpoint,
+    fresh_moe: SyntheticCheckpoint,
     monkeypatch: pytest.MonkeyPatch,
     copy_fails: bool,
 ) -> None:
@@ -289,7 +290,7 @@ async def test_a_range_left_registered_keeps_its_shard_mapped(
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_mapped_cancel_at_random_points_leaks_nothing(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
@@ -323,7 +324,7 @@ async def test_mapped_cancel_at_random_points_leaks_nothing(
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_it_returns(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A registration faults in pages from storage: it can hang like a read. The load gives
     # up after read_timeout, but the thread still copies out of the mapping when it wakes:
@@ -350,7 +351,7 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
     monkeypatch.setattr(_loader, "PopulateRegistry", lambda: stuck)
     slabs = SlabSet(plan(ckpt))
     backing = weakref.ref(slabs._backing)  # the one allocation behind every slab
-    with pytest.raises(asyncslab.ReadTimeoutError):
+    with pytest.raises(asyncslab.errors.ReadTimeoutError):
         await slabs.load(ckpt, options=replace(MAPPED, read_timeout=0.1))
     await slabs.aclose()
     del slabs
@@ -420,7 +421,7 @@ def test_transfer_option_is_checked() -> None:
 
 @pytest.mark.asyncio
 async def test_direct_transfer_onto_cuda_is_refused_before_anything_starts(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint,
+    moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = SlabSet(plan(ckpt))
@@ -475,7 +476,7 @@ def test_cuda_registry_registers_read_only_and_reports_cuda_errors(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("spare", [1, mmap.PAGESIZE - 1])
 async def test_a_window_size_off_the_page_size_is_cut_to_whole_pages(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, registry: RecordingRegistry, spare: int
+    moe_checkpoint: SyntheticCheckpoint, registry: RecordingRegistry, spare: int
 ) -> None:
     """``staging_bytes // staging_buffers`` need not be a multiple of the page size; the
     windows must be, rounded down. Windows of the size asked would share a page with their

@@ -12,13 +12,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import Checkpoint, Dense, RowSlice, SlabSpec, TieredMoE, load, make_route, plan
+from asyncslab import Checkpoint, Dense, RowSlice, TieredMoE, load, plan
+from asyncslab.rules import SlabSpec, make_route
+from asyncslab.testing import SyntheticCheckpoint
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("rank", [0, 1])
 async def test_expert_parallel_rank_reads_only_its_experts(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, rank: int
+    moe_checkpoint: SyntheticCheckpoint, rank: int
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
 

@@ -8,7 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncslab import ExpertPartition, PartitionError, PlanError
+from asyncslab import PlanError
+from asyncslab.errors import PartitionError
+from asyncslab.rules import ExpertPartition
 
 # No example database: the property tests must not leave a .hypothesis/ folder behind.
 PROPERTY = settings(

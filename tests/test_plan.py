@@ -26,22 +26,13 @@ from safetensors.torch import load_file, save_file
 
 from asyncslab import (
     Checkpoint,
-    Claim,
-    CoverageError,
     Dense,
-    DtypeMismatchError,
-    PartitionError,
     Plan,
     PlanError,
-    ShapeMismatchError,
-    SlabSpec,
     Stack,
     TensorInfo,
     TieredMoE,
-    TierMapError,
-    UnmatchedTensorError,
     load_tier_map,
-    make_route,
     plan,
 )
 from asyncslab._synthetic import (
@@ -50,6 +41,15 @@ from asyncslab._synthetic import (
     expected_tensors,
     write_synthetic,
 )
+from asyncslab.errors import (
+    CoverageError,
+    DtypeMismatchError,
+    PartitionError,
+    ShapeMismatchError,
+    TierMapError,
+    UnmatchedTensorError,
+)
+from asyncslab.rules import Claim, SlabSpec, make_route
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 SCALES = ("trellis", "suh", "svh")

@@ -24,6 +24,7 @@ from asyncslab import Checkpoint, LoadOptions, LoadStatistics, SlabSet, plan
 from asyncslab import _copy as copy_module
 from asyncslab._progress import ProgressBar, format_duration
 from asyncslab._read import pread_scatter
+from asyncslab.testing import SyntheticCheckpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +51,7 @@ class Stall:
                 self.started = time.perf_counter()
                 self._reached.set()
                 if fail:
-                    raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+                    raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
                 time.sleep(STALL)
                 self.ended = time.perf_counter()
             n = pread_scatter(*args, **kwargs)
@@ -72,7 +73,7 @@ def recorder() -> tuple[list[tuple[float, LoadStatistics]], Callable[[LoadStatis
 @pytest.mark.asyncio
 @pytest.mark.parametrize("options", [ONE_BY_ONE, STAGED], ids=["direct", "staged"])
 async def test_the_latest_figures_go_out_while_a_read_stalls(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     monkeypatch: pytest.MonkeyPatch,
     options: LoadOptions,
 ) -> None:
@@ -98,7 +99,7 @@ async def test_the_latest_figures_go_out_while_a_read_stalls(
 
 @pytest.mark.asyncio
 async def test_the_last_read_is_reported_before_slow_unit_callbacks(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # Every read had landed, then a unit callback ran for a while: the callback kept the
     # figures of the first read until the load ended.
@@ -122,7 +123,7 @@ async def test_the_last_read_is_reported_before_slow_unit_callbacks(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["failed", "cancelled"])
 async def test_the_last_call_says_how_the_load_ended(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, how: str
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     # Only a load that completed had a final call: a bar (or a health check fed by the
     # callback) went on showing "loading" with an ETA after a failure.
@@ -134,7 +135,8 @@ async def test_the_last_call_says_how_the_load_ended(
         if how == "cancelled":
             await stall.reached()
             task.cancel()
-        with pytest.raises(asyncio.CancelledError if how == "cancelled" else asyncslab.ReadError):
+        expected = asyncio.CancelledError if how == "cancelled" else asyncslab.errors.ReadError
+        with pytest.raises(expected):
             await task
         final = slabs.statistics()
     last = seen[-1][1]
@@ -150,7 +152,7 @@ async def test_the_last_call_says_how_the_load_ended(
 
 @pytest.mark.asyncio
 async def test_a_callback_failing_on_the_final_report_does_not_hide_the_error(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(small_checkpoint.root)
     Stall(monkeypatch, fail=True)
@@ -160,14 +162,14 @@ async def test_a_callback_failing_on_the_final_report_does_not_hide_the_error(
             raise ValueError("display gone")
 
     async with SlabSet(plan(ckpt)) as slabs:
-        with pytest.raises(asyncslab.ReadError, match="injected EIO"):
+        with pytest.raises(asyncslab.errors.ReadError, match="injected EIO"):
             await slabs.load(ckpt, options=ONE_BY_ONE, progress=progress)
         assert slabs.state == "failed"
 
 
 @pytest.mark.asyncio
 async def test_a_callback_failing_between_landings_fails_the_load(
-    small_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Called from the interval's timer (nothing landing during the stall), not from a
     # landing: the error must still end the load, as one raised on a landing does.
@@ -190,7 +192,7 @@ async def test_a_callback_failing_between_landings_fails_the_load(
 
 @pytest.mark.asyncio
 async def test_an_async_progress_callback_is_refused_before_the_load(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     # It was called without being awaited: the load succeeded, the callback never ran, and
     # the only sign was a "coroutine was never awaited" warning.

@@ -29,21 +29,18 @@ from helpers import assert_bit_identical
 
 from asyncslab import (
     Checkpoint,
-    Claim,
     Dense,
     Plan,
-    Route,
     SlabSet,
-    SlabSpec,
     Stack,
     Target,
     TensorInfo,
     TieredMoE,
     bind_module,
     load,
-    make_route,
     plan,
 )
+from asyncslab.rules import Claim, Route, SlabSpec, make_route
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never the hub
 
@@ -320,7 +317,7 @@ async def test_mixtral_tiered_moe_plan_gives_from_pretrained_logits(
 
 @dataclass(frozen=True, slots=True)
 class ExpertMajor:
-    """A rule (the public :class:`asyncslab.Rule` protocol) for what TieredMoE cannot lay out:
+    """A rule (the public :class:`asyncslab.rules.Rule` protocol) for what TieredMoE cannot lay out:
     experts fused *expert-major*, ``slab[expert, shard]``, as transformers' MoE modules hold
     them. A ``(E, 2, I, H)`` slab is, byte for byte, the ``(E, 2I, H)`` ``gate_up_proj``."""
 
@@ -362,7 +359,7 @@ class ExpertMajor:
 async def test_mixtral_expert_major_rule_binds_every_parameter_zero_copy(
     mixtral: SimpleNamespace,
 ) -> None:
-    """A rule of one's own through the public :class:`asyncslab.Rule` protocol: with an
+    """A rule of one's own through the public :class:`asyncslab.rules.Rule` protocol: with an
     expert-major layout every Mixtral parameter is a slab view; ``gate_up_proj``'s slab is
     ``(E, 2, I, H)`` and binds under the parameter's ``(E, 2I, H)`` as a reshaped view."""
     checkpoint = Checkpoint.open(mixtral.root)

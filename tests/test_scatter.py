@@ -21,9 +21,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, ReadError, SlabSet, plan
+from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab import _read as read_module
 from asyncslab._read import ReadFeed, pread_scatter, scatter
+from asyncslab.errors import ReadError
+from asyncslab.testing import SyntheticCheckpoint
 
 
 def regions_in(
@@ -269,7 +271,7 @@ def test_stop_interrupts_a_paced_wait() -> None:
 
 @pytest.mark.asyncio
 async def test_timeout_names_the_stalled_read_while_others_finished(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -293,7 +295,7 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
     monkeypatch.setattr(_copy, "pread_scatter", stall_one)
     slabs = SlabSet(p)
     try:
-        with pytest.raises(asyncslab.ReadTimeoutError, match="read_timeout=1.0") as info:
+        with pytest.raises(asyncslab.errors.ReadTimeoutError, match="read_timeout=1.0") as info:
             await slabs.load(ckpt, options=options)
         assert info.value.file == str(p.files[victim.file].path)
         assert info.value.details["offset"] == victim.offset
@@ -305,7 +307,7 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
 
 @pytest.mark.asyncio
 async def test_slow_but_steady_reads_do_not_time_out(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each read takes 20 ms, the load far longer than read_timeout: only a single read
     # over the limit is a timeout, not the sum of them.
@@ -322,7 +324,7 @@ async def test_slow_but_steady_reads_do_not_time_out(
 
 @pytest.mark.asyncio
 async def test_io_threads_give_up_the_core_after_every_read(
-    moe_checkpoint: asyncslab.SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between two reads an I/O thread yields its core, so that a waking event loop does not
     wait for one while every core is busy reading."""

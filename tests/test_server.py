@@ -26,8 +26,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 import asyncslab  # noqa: E402
-from asyncslab import Checkpoint, SlabSet, plan, write_synthetic  # noqa: E402
+import asyncslab.testing  # noqa: E402
+from asyncslab import Checkpoint, SlabSet, plan  # noqa: E402
 from asyncslab._synthetic import spec_for_size  # noqa: E402
+from asyncslab.testing import SyntheticCheckpoint, write_synthetic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,7 +59,7 @@ HEALTH_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> asyncslab.SyntheticCheckpoint:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCheckpoint:
     """An ~8 MiB tiered MoE checkpoint, shared read-only by the tests of this module."""
     return write_synthetic(tmp_path_factory.mktemp("served"), spec_for_size(SIZE))
 
@@ -181,7 +183,7 @@ def wait_mid_load(client: httpx.Client, server: Server, fraction: float) -> dict
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_health_during_load_then_forward_matches_old_way(
-    checkpoint: asyncslab.SyntheticCheckpoint,
+    checkpoint: SyntheticCheckpoint,
     tmp_path: Path,
     loop: str,
     capsys: pytest.CaptureFixture[str],
@@ -281,7 +283,7 @@ def test_health_during_load_then_forward_matches_old_way(
 
 @pytest.mark.parametrize(("sig", "loop"), [(signal.SIGINT, "uvloop"), (signal.SIGTERM, "asyncio")])
 def test_signal_during_load_cancels_cleanly(
-    checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path, sig: signal.Signals, loop: str
+    checkpoint: SyntheticCheckpoint, tmp_path: Path, sig: signal.Signals, loop: str
 ) -> None:
     with run_server(checkpoint.root, tmp_path, loop=loop) as server:
         with httpx.Client(base_url=server.url, timeout=10.0) as client:
@@ -372,7 +374,7 @@ def test_a_checkpoint_that_cannot_be_planned_exits_2_before_serving(
 
 
 def test_a_layer_that_is_not_an_moe_layer_exits_2(
-    checkpoint: asyncslab.SyntheticCheckpoint, tmp_path: Path
+    checkpoint: SyntheticCheckpoint, tmp_path: Path
 ) -> None:
     args = ["--checkpoint", str(checkpoint.root), "--layer", "0", "--port", str(free_port())]
     assert_refused(run_script(args, tmp_path), "--layer 0 is not an MoE layer")
@@ -477,7 +479,7 @@ def test_failed_load_reports_500(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_block_weights_are_slab_views(checkpoint: asyncslab.SyntheticCheckpoint) -> None:
+async def test_block_weights_are_slab_views(checkpoint: SyntheticCheckpoint) -> None:
     """In-process: binding from on_unit_ready makes every parameter a view of its slab (same
     memory), and the block's forward equals the old way's bit for bit."""
     p = plan(Checkpoint.open(checkpoint.root), tier_map=checkpoint.tier_map_path)
@@ -518,9 +520,8 @@ async def test_block_weights_are_slab_views(checkpoint: asyncslab.SyntheticCheck
 def test_the_block_refuses_expert_major_slabs(tmp_path: Path) -> None:
     # It indexes w13[0, slot] and w13[1, slot]: on expert-major slabs it computed wrong
     # outputs (and, for some layers, indexed out of range).
-    ckpt = asyncslab.write_synthetic(
-        tmp_path, asyncslab.SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32)
-    )
+    spec = asyncslab.testing.SyntheticSpec(n_layers=3, n_experts=4, hidden=64, intermediate=32)
+    ckpt = asyncslab.testing.write_synthetic(tmp_path, spec)
     rules = [asyncslab.TieredMoE(layout="expert_major"), asyncslab.Dense()]
     p = asyncslab.plan(asyncslab.Checkpoint.open(ckpt.root), rules=rules)
     with pytest.raises(ValueError, match="expert_major; this block computes with shard_major"):

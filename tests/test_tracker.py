@@ -17,20 +17,12 @@ from helpers import assert_bit_identical
 from safetensors.torch import save_file
 
 import asyncslab
-from asyncslab import (
-    Checkpoint,
-    Claim,
-    Dense,
-    LoadOptions,
-    LoadStatistics,
-    SlabSet,
-    SlabSpec,
-    TensorInfo,
-    plan,
-)
+from asyncslab import Checkpoint, Dense, LoadOptions, LoadStatistics, SlabSet, TensorInfo, plan
 from asyncslab import _copy as copy_module
 from asyncslab._read import pread_scatter
 from asyncslab._tracker import Tracker
+from asyncslab.rules import Claim, SlabSpec
+from asyncslab.testing import SyntheticCheckpoint
 
 try:
     import uvloop
@@ -105,14 +97,14 @@ async def test_incomplete_unit_blames_only_tensors_that_did_not_land(
             # Fail only once the first read has landed (its landing is queued to the loop
             # after the read returns; a failure seen first would stop it from landing).
             assert first_landed.wait(5)
-            raise asyncslab.ReadError("injected EIO", file=kwargs["path"])
+            raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
         return pread_scatter(*args, **kwargs)
 
     monkeypatch.setattr(copy_module, "pread_scatter", read)
     # One read per tensor (4 KiB each), one after the other.
     options = LoadOptions(io_workers=1, read_size=4096, coalesce_gap=0, progress_interval=0)
     async with SlabSet(p) as slabs:
-        with pytest.raises(asyncslab.ReadError, match="injected EIO"):
+        with pytest.raises(asyncslab.errors.ReadError, match="injected EIO"):
             await asyncio.wait_for(slabs.load(ckpt, options=options, progress=progress), 5)
         assert slabs.statistics().tensors_landed == 1
         with pytest.raises(asyncslab.IncompleteLoadError) as info:
@@ -130,7 +122,7 @@ async def test_incomplete_unit_blames_only_tensors_that_did_not_land(
 
 @pytest.mark.asyncio
 async def test_unit_completion_times_are_seconds_since_the_load_began(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
     """Guards against wrong statistics: ``unit_completed_at`` is seconds since the load
     started (within its elapsed time), not a raw clock reading."""
@@ -147,7 +139,7 @@ async def test_unit_completion_times_are_seconds_since_the_load_began(
 
 @pytest.mark.parametrize("factory", LOOP_FACTORIES, ids=lambda f: f.__module__.split(".")[0])
 def test_a_waiter_of_a_closed_loop_does_not_break_the_next_load(
-    small_checkpoint: asyncslab.SyntheticCheckpoint,
+    small_checkpoint: SyntheticCheckpoint,
     factory: Callable[[], asyncio.AbstractEventLoop],
 ) -> None:
     """Guards against a later load failing with "Event loop is closed": a wait left

@@ -1,0 +1,21 @@
+"""For tests and benchmarks: a synthetic EXL3-like mixed-tier MoE checkpoint, written with
+the real ``safetensors`` library (``write_synthetic(dir, SyntheticSpec(...))``, or
+``spec_for_size(bytes)``), and ``verify_slabs``, which compares every loaded tensor with
+what ``safetensors`` reads, byte for byte. Not imported by ``import asyncslab``.
+"""
+
+from ._cli import VerifyResult as VerifyResult
+from ._cli import verify_slabs as verify_slabs
+from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
+from ._synthetic import SyntheticSpec as SyntheticSpec
+from ._synthetic import spec_for_size as spec_for_size
+from ._synthetic import write_synthetic as write_synthetic
+
+__all__ = [
+    "SyntheticCheckpoint",
+    "SyntheticSpec",
+    "VerifyResult",
+    "spec_for_size",
+    "verify_slabs",
+    "write_synthetic",
+]
