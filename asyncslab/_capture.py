@@ -268,6 +268,11 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func in _VALUE_READS or not isinstance(out, (torch.Tensor, tuple, list)):
             self._transform(names, f"the loader reads its values ({_op_name(func)})")
             return out
+        if _mutates_first(func) and self._origin(args[0]) is not None:
+            # In place (``mul_``): the stand-in, and every view of it, now stands for other
+            # bytes than the checkpoint's.
+            self._transform(names, f"the loader changes it in place ({_op_name(func)})")
+            return out
         inputs = {o.untyped_storage().data_ptr() for o in leaves if isinstance(o, torch.Tensor)}
         results, _ = tree_flatten(out)
         for result in results:

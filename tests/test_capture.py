@@ -59,6 +59,8 @@ class Toy(nn.Module):
                     layer.qkv.data[0:4].copy_(w.t())
                 elif self.variant == "compute":
                     layer.qkv.data[0:4].copy_(w * 2)
+                elif self.variant == "in place":
+                    layer.qkv.data[0:4].copy_(w.mul_(2))
                 elif self.variant == "item" and float(w[0, 0].item()) > 1e30:
                     layer.qkv.data[0:4].zero_()
                 else:
@@ -142,6 +144,7 @@ async def test_the_plan_writes_what_the_engines_loader_writes(tmp_path: Path) ->
         ("", torch.float32, "converts torch.bfloat16 to torch.float32"),
         ("transpose", torch.bfloat16, "not contiguous enough"),
         ("compute", torch.bfloat16, "computes from it"),
+        ("in place", torch.bfloat16, r"changes it in place \(mul_"),
         ("item", torch.bfloat16, r"reads its values \(_local_scalar_dense"),
         ("overwrite", torch.bfloat16, r"overwrites part of it \(fill_"),
     ],
