@@ -59,20 +59,21 @@ BENCH_MODEL: dict[str, Any] = {
 }
 
 
-def _rss() -> int:
+def _status(field: str) -> int:
+    """A size from /proc/self/status (``VmRSS``, ``VmHWM``), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss() -> int:
+    return _status("VmRSS")
 
 
 def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _status("VmHWM")
 
 
 def _reset_peak() -> None:

@@ -169,9 +169,9 @@ def _change_before_read(path: Path) -> None:
 
 
 def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    # The engine core in this process (and, with the "uni" executor, the worker): the
+    # loaders' load_weights wrapped here are the ones that run.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-
     import asyncslab.vllm  # noqa: F401
 
     out: dict[str, Any] = {}
@@ -180,24 +180,29 @@ def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
         snapshots: dict[str, dict[str, torch.Tensor]] = {}
         for fmt in ("auto", "asyncslab"):
             with _watching(record, snapshots):
-                llm = LLM(
-                    model=case["model"],
-                    load_format=fmt,
-                    dtype=case.get("dtype", "bfloat16"),
-                    max_model_len=128,
-                    max_num_seqs=4,
-                    enforce_eager=True,
-                    distributed_executor_backend="uni",
-                )
-                results = llm.generate(
-                    PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
-                )
-            record["tokens"][fmt] = [list(r.outputs[0].token_ids) for r in results]
-            del llm, results
+                llm, record["tokens"][fmt] = _greedy(case, fmt, distributed_executor_backend="uni")
+            del llm
             gc.collect()
         record.update(_compare(snapshots))
         out[case["name"]] = record
     return out
+
+
+def _greedy(case: dict[str, Any], fmt: str, **engine: Any) -> tuple[Any, list[list[int]]]:
+    """An engine for ``case`` loaded with ``fmt``, and its greedy tokens for ``PROMPTS``."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=case["model"],
+        load_format=fmt,
+        dtype=case.get("dtype", "bfloat16"),
+        max_model_len=128,
+        max_num_seqs=4,
+        enforce_eager=True,
+        **engine,
+    )
+    results = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    return llm, [list(r.outputs[0].token_ids) for r in results]
 
 
 def _last_report(worker: Any) -> dict[str, Any] | None:
@@ -210,28 +215,14 @@ def _last_report(worker: Any) -> dict[str, Any] | None:
 def tensor_parallel(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Per case, ``LLM(tensor_parallel_size=2)`` with each format (vLLM's own worker
     processes, one per rank): greedy tokens, and each rank's asyncslab report."""
-    from vllm import LLM, SamplingParams
-
     out: dict[str, Any] = {}
     for case in cases:
         record: dict[str, Any] = {"tokens": {}}
         for fmt in ("auto", "asyncslab"):
-            llm = LLM(
-                model=case["model"],
-                load_format=fmt,
-                dtype=case.get("dtype", "bfloat16"),
-                max_model_len=128,
-                max_num_seqs=4,
-                enforce_eager=True,
-                tensor_parallel_size=2,
-            )
-            results = llm.generate(
-                PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
-            )
-            record["tokens"][fmt] = [list(r.outputs[0].token_ids) for r in results]
+            llm, record["tokens"][fmt] = _greedy(case, fmt, tensor_parallel_size=2)
             if fmt == "asyncslab":
                 record["reports"] = llm.collective_rpc(_last_report)
-            del llm, results
+            del llm
             gc.collect()
         out[case["name"]] = record
     return out
