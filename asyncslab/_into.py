@@ -29,7 +29,7 @@ from ._errors import CoverageError
 from ._format import Checkpoint, TensorInfo
 from ._plan import Plan, plan
 from ._rules import Dense
-from ._vocab import Claim, SlabSpec, make_route, unit_of_layer
+from ._vocab import Claim, Rule, SlabSpec, make_route, unit_of_layer
 
 __all__ = ["IntoPlan", "plan_into"]
 
@@ -96,19 +96,21 @@ def plan_into(
     # In checkpoint order, as they will be read.
     why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
     transformed = {n: why[n] for n in tensors if n in why}
-    skipped = tuple(to_checkpoint.get(n, n) for n in captured.untouched)
-    loaded = plan(
-        checkpoint,
-        [_Claimed(Claim(slabs=tuple(specs), routes=tuple(routes)))],
-        ignore=[re.escape(n) for n in (*transformed, *skipped)],
-    )
+    # A tensor the loader took without a copy while recording is skipped, unless its values
+    # were read: then what it does with the real ones is the loader's to say.
+    untouched = (to_checkpoint.get(n, n) for n in captured.untouched)
+    skipped = tuple(n for n in untouched if n not in why)
+    # Claimed by name, not by ignore= patterns or a Dense pattern of every name: a model
+    # served in another dtype has every tensor transformed, and matching each name against
+    # a pattern per name is quadratic.
+    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=(*transformed, *skipped))
+    loaded = plan(checkpoint, [_Claimed(claim)])
     extras = dict(loaded.extras)
     extras["transformed_bytes"] = {n: tensors[n].nbytes for n in transformed}
     loaded = dataclasses.replace(loaded, extras=MappingProxyType(extras))
     side = None
     if transformed:
-        pattern = "|".join(map(re.escape, transformed))
-        side = plan(checkpoint, [Dense(pattern=f"(?s){pattern}")], unmatched="ignore")
+        side = plan(checkpoint, [_Only(transformed, Dense())], unmatched="ignore")
     return IntoPlan(
         plan=loaded,
         tensors=MappingProxyType(views),
@@ -127,6 +129,17 @@ class _Claimed:
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         return self._claim
+
+
+class _Only:
+    """``rule``, shown only the tensors named."""
+
+    def __init__(self, names: Iterable[str], rule: Rule) -> None:
+        self._names = tuple(names)
+        self._rule = rule
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        return self._rule.claim(checkpoint, {n: pending[n] for n in self._names if n in pending})
 
 
 # --- completeness, per byte ------------------------------------------------------------

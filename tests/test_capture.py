@@ -61,7 +61,15 @@ class Toy(nn.Module):
                     layer.qkv.data[0:4].copy_(w * 2)
                 elif self.variant == "in place":
                     layer.qkv.data[0:4].copy_(w.mul_(2))
-                elif self.variant == "item" and float(w[0, 0].item()) > 1e30:
+                elif self.variant == "item":
+                    # Reads a value (of garbage, while recording), then copies whatever it
+                    # was: a branch on it would make this test depend on the garbage.
+                    float(w[0, 0].item())
+                    layer.qkv.data[0:4].copy_(w)
+                elif self.variant == "item, then fill":
+                    # Reads a value and writes none of the tensor's bytes: transformed, and
+                    # taken without a copy.
+                    float(w[0, 0].item())
                     layer.qkv.data[0:4].zero_()
                 else:
                     layer.qkv.data[0:4].copy_(w)
@@ -146,6 +154,7 @@ async def test_the_plan_writes_what_the_engines_loader_writes(tmp_path: Path) ->
         ("compute", torch.bfloat16, "computes from it"),
         ("in place", torch.bfloat16, r"changes it in place \(mul_"),
         ("item", torch.bfloat16, r"reads its values \(_local_scalar_dense"),
+        ("item, then fill", torch.bfloat16, r"reads its values \(_local_scalar_dense"),
         ("overwrite", torch.bfloat16, r"overwrites part of it \(fill_"),
     ],
 )
