@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, first_line
 from ._format import Checkpoint, TensorInfo
-from ._loader import LoadOptions, SlabSet, _forget_locals, _open_checked
+from ._loader import LoadOptions, SlabSet, _open_checked
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Plan, plan
 from ._read import pread_scatter, scatter
@@ -1324,10 +1324,6 @@ async def _local_settled(session: _Session) -> None:
 async def _release(session: _Session, owned: bool) -> None:
     """After a failed distributed load: no slab of this rank stays usable."""
     await _local_settled(session)
-    # The slabs keep this rank's error for ready(); its traceback holds the protocol's
-    # frames, and they the session and so the slabs: clear them, as a failed load's task
-    # does (into= slabs dropped by their owner would otherwise wait for a full collection).
-    _forget_locals(session.local_error)
     slabs = session._slabs
     if slabs is not None and slabs.state == "loading":
         slabs._finish("failed", LoadError("distributed load failed"))

@@ -11,20 +11,17 @@ cancelled, after waiting for reads already inside a thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import inspect
 import math
 import operator
 import os
-import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral, Real
-from types import FrameType
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -301,10 +298,9 @@ class SlabSet:
         self._closed = False
         self._closing = False
         self._generation = 0
-        # Loads with a task of their own, and the errors they ended with, until the task's
-        # end clears their frames' locals (see _forget_locals), by generation.
-        self._spawned: set[int] = set()
-        self._ended_with: dict[int, BaseException] = {}
+        # The last load's task once it ended, weakly: a failed task holds its error, whose
+        # frames hold this SlabSet (see _delivered).
+        self._ended_task: weakref.ref[asyncio.Task[SlabSet]] | None = None
         self._error: str | None = None
         self._reset_counters()
 
@@ -491,9 +487,8 @@ class SlabSet:
                 raise ClosedError("the SlabSet was closed while this load ran") from None
             raise
         finally:
-            # The load's error keeps this frame in its traceback, and the SlabSet keeps the
-            # error: holding self here too would be a cycle (see _forget_locals).
-            del self, task
+            # The task's error keeps this frame in its traceback: a cycle through ``task``.
+            del task
 
     async def aclose(self) -> None:
         """Cancel a running load, wait for it to release everything, free the slabs.
@@ -579,9 +574,6 @@ class SlabSet:
     def _spawn(self, run: Coroutine[object, object, SlabSet]) -> asyncio.Task[SlabSet]:
         task = asyncio.get_running_loop().create_task(run, name="asyncslab-load")
         self._task = task
-        self._spawned.add(self._generation)
-        with _LOAD_TASKS_LOCK:
-            _LOAD_TASKS.add(task)
         self._live.add(task)
         task.add_done_callback(self._live.discard)
         generation = self._generation
@@ -589,15 +581,12 @@ class SlabSet:
         def settle(task: asyncio.Task[SlabSet]) -> None:
             if self._generation == generation:  # not a later load's
                 self._settle(task)
-            # Whatever the generation: a ready() caller may have begun a retry meanwhile.
-            self._spawned.discard(generation)
-            _forget_locals(self._ended_with.pop(generation, None))
-            if self._task is task and self._state == "complete":
-                # A finished task's result is this SlabSet: held here, the pair is a cycle
-                # that only the garbage collector frees, and a dropped SlabSet would keep
-                # its slabs (VRAM on a GPU) until a collection that may come much later.
-                # (A failed load's task stays: ready() marks its error as delivered.)
+            if self._task is task:
+                # An ended task holds its result (this SlabSet) or its error (whose frames
+                # hold it): kept here, either is a cycle that only the collector frees, and
+                # a dropped SlabSet would keep its slabs (VRAM on a GPU) until then.
                 self._task = None
+                self._ended_task = weakref.ref(task)
 
         # Wakes ready() waiters of a load whose task never ran; _settle() in the accessors
         # covers the moment between the task's end and this callback.
@@ -620,7 +609,7 @@ class SlabSet:
         """A caller of ready() got the load's error as its cause: asyncio need not log the
         task's exception as never retrieved, which would report one failure twice, the
         second time as if nobody had seen it."""
-        task = self._task
+        task = self._task or (self._ended_task() if self._ended_task else None)
         if error is not None and task is not None:
             # Its task may still be releasing threads and files: mark it when it ends.
             task.add_done_callback(retrieve)
@@ -739,31 +728,17 @@ class SlabSet:
                 self._staging = staging
                 self._staging_budget = budget
                 read_one = self._staged_reads(reads, fds, paths, staging, copier)
-            children: list[asyncio.Task[None]] = []
-            try:
-                async with asyncio.TaskGroup() as tg:
-
-                    def unit_done(unit: str) -> None:
-                        if on_unit_ready is not None:
-                            task = tg.create_task(_callback(on_unit_ready, unit, self))
-                            children.append(task)
-                            self._callbacks.add(task)
-                            task.add_done_callback(self._callbacks.discard)
-
-                    self._tracker.begin(unit_done)
-                    for route in sched.empty:
-                        self._tracker.land(route, 0)
-                    workers = min(workers, max(1, len(sched.ops)))
-                    reading = self._read_all(
-                        sched.ops, paths, read_one, pool, options, workers, progress
-                    )
-                    children.append(tg.create_task(reading))
-            except BaseExceptionGroup as group:
-                error = _first_error(group)
-                # Re-raise the root error alone, keeping its own cause (the OSError).
-                raise error from error.__cause__
-            finally:
-                _forget_cancelled(children)
+            error = await self._read_and_call_back(
+                sched, paths, read_one, pool, options, workers, on_unit_ready, progress
+            )
+            if error is not None:
+                # Raised here, not in the handler that caught the task group's errors: as
+                # that group's context, the error would hold the group's frames, and they
+                # the task group, whose parent task holds the error (a cycle).
+                try:
+                    raise error from error.__cause__
+                finally:
+                    error = None
             if not self.complete:
                 missing = [u for u in plan.units if not self._tracker.is_complete(u)]
                 raise IncompleteLoadError(f"load finished with incomplete units {missing[:5]}")
@@ -775,10 +750,7 @@ class SlabSet:
             self._finish("failed", err)
             raise
         except Exception as err:
-            wrapped = LoadError(f"load failed: {err!r}")
-            wrapped.__cause__ = err
-            self._finish("failed", wrapped)
-            raise wrapped from err
+            raise self._failed(err) from err
         finally:
             try:
                 # All of the release, even if cancelled meanwhile (the cancel is re-raised
@@ -800,10 +772,61 @@ class SlabSet:
             try:
                 _refuse_awaitable(progress(self.statistics()), "progress")
             except Exception as err:  # as one during the load: the load failed
-                wrapped = LoadError(f"load failed: {err!r}")
-                self._finish("failed", wrapped)
-                raise wrapped from err
+                raise self._failed(err) from err
         return self
+
+    def _failed(self, err: Exception) -> LoadError:
+        """Fail the load with ``err`` wrapped. (Not a local of the frame raising it: that
+        frame lies in its traceback.)"""
+        wrapped = LoadError(f"load failed: {err!r}")
+        wrapped.__cause__ = err  # before _finish keeps a copy of it
+        self._finish("failed", wrapped)
+        return wrapped
+
+    async def _read_and_call_back(
+        self,
+        sched: Schedule,
+        paths: Sequence[str],
+        read_one: _ReadOne,
+        pool: IoPool,
+        options: LoadOptions,
+        workers: int,
+        on_unit_ready: UnitCallback | None,
+        progress: ProgressCallback | None,
+    ) -> BaseException | None:
+        """The reads, and a unit callback per unit as it completes, in one task group; the
+        error that broke them (the rest are its consequences: cancelled siblings)."""
+        callbacks = self._callbacks
+        try:
+            async with asyncio.TaskGroup() as tg:
+
+                def unit_done(unit: str) -> None:
+                    if on_unit_ready is not None:
+                        task = tg.create_task(_callback(on_unit_ready, unit, self))
+                        callbacks.add(task)
+                        task.add_done_callback(callbacks.discard)
+
+                self._tracker.begin(unit_done)
+                for route in sched.empty:
+                    self._tracker.land(route, 0)
+                workers = min(workers, max(1, len(sched.ops)))
+                tg.create_task(
+                    self._read_all(sched.ops, paths, read_one, pool, options, workers, progress)
+                )
+        except BaseExceptionGroup as group:
+            # Nobody sees the group: its traceback goes. It holds the task group's exit
+            # frame, which holds the group (a cycle through the error it wraps).
+            group.__traceback__ = None
+            return _first_error(group)
+        except asyncio.CancelledError as err:
+            # The same for a cancellation the task group passes on, raised again from here.
+            err.__traceback__ = None
+            raise
+        finally:
+            # unit_done stays with the tracker until the load finishes: it must not hold
+            # the task group, whose parent task holds a failed load's error.
+            tg = None  # type: ignore[assignment]
+        return None
 
     def _report_end(self, progress: ProgressCallback | None, generation: int) -> None:
         """The final progress call of a load that failed or was cancelled: without it, a bar
@@ -847,8 +870,6 @@ class SlabSet:
             )
 
     def _finish(self, state: State, error: BaseException | None = None) -> None:
-        if error is not None and self._generation in self._spawned:
-            self._ended_with[self._generation] = error  # for the task's end (_spawn)
         self._state = state
         self._error = None if error is None else (str(error) or type(error).__name__)
         self._ended = time.perf_counter()
@@ -998,27 +1019,22 @@ class SlabSet:
             broken.append(err)
             feed.stop()
 
-        # Weakly: these closures lie in the tracebacks of a failed load's reads, and a frame
-        # keeps its function, and so the closure's cells, even once cleared. Held strongly,
-        # the SlabSet would be in a cycle through the error it keeps for ready(): dropped
-        # by its owner after a failure, it would keep its slabs until a full collection.
-        slabs = weakref.ref(self)
-        ticker = _Ticker(progress, options.progress_interval, _weakly(self.statistics), fail)
+        ticker = _Ticker(progress, options.progress_interval, self.statistics, fail)
 
         def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
             # A load that is over or being torn down (this task cancelled: the load was
             # cancelled, or a unit callback failed) lands nothing more, so no unit completes
             # and no callback is started for a task group that is shutting down.
-            if feed.stopped or (me is not None and me.cancelling()) or (owner := slabs()) is None:
+            if feed.stopped or (me is not None and me.cancelling()):
                 return
             try:
-                owner._reads += 1
-                owner._bytes_read += n
+                self._reads += 1
+                self._bytes_read += n
                 total = 0
                 for route, _, _, nbytes in ops[index].pieces:
                     land(route, nbytes)
                     total += nbytes
-                owner._bytes_landed += total
+                self._bytes_landed += total
                 ticker.tick()
             except Exception as err:  # a landing or progress-callback error ends the load
                 fail(err)
@@ -1040,22 +1056,30 @@ class SlabSet:
                 feed.stop()
                 raise
 
-        children: list[asyncio.Task[None]] = []
         try:
-            async with asyncio.TaskGroup() as tg:
-                drives = [tg.create_task(pool.run(drive, w)) for w in range(workers)]
-                children += drives
-                if options.read_timeout is not None:
-                    watch = _watch(feed, drives, options.read_timeout, ops, paths)
-                    children.append(tg.create_task(watch))
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    drives = [tg.create_task(pool.run(drive, w)) for w in range(workers)]
+                    if options.read_timeout is not None:
+                        tg.create_task(_watch(feed, drives, options.read_timeout, ops, paths))
+            except BaseException as err:
+                # Raised by the task group, it holds the group's exit frame, which holds
+                # the error: a cycle through the group and this task (see
+                # _read_and_call_back). The errors it wraps keep their own tracebacks.
+                err.__traceback__ = None
+                raise
+            if broken:
+                raise broken.pop()
+            if not (me is not None and me.cancelling()):
+                ticker.flush()
         finally:
             feed.stop()
             ticker.close()
-            _forget_cancelled(children)
-        if broken:
-            raise broken[0]
-        if not (me is not None and me.cancelling()):
-            ticker.flush()
+            # A failed load's traceback holds this frame and the drives' (whose closures
+            # hold these cells): the task group, its tasks and this task would be a cycle
+            # with the error, which holds the destination.
+            tg = drives = me = None  # type: ignore[assignment]
+            broken.clear()
 
 
 _ReadOne = Callable[[int, int], int]
@@ -1282,22 +1306,7 @@ def _refuse_awaitable(result: object, what: str) -> None:
 
 
 async def _callback(callback: UnitCallback, unit: str, slabs: SlabSet) -> None:
-    coro: Coroutine[Any, Any, Any] | None = None
-    frame: FrameType | None = None
-    try:
-        pending = callback(unit, slabs)
-        coro = pending if inspect.iscoroutine(pending) else None
-        frame = None if coro is None else coro.cr_frame  # None once it has ended
-        await _await_callback(pending, unit)
-    except BaseException:
-        # A callback that failed has ended: its frame, which holds the slabs it was given,
-        # lies in the load's error and may be cleared (see _forget_locals, which clears no
-        # coroutine frame of user code). One that returned keeps its locals.
-        ended = coro is not None and inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
-        if ended and frame is not None:
-            with contextlib.suppress(RuntimeError):
-                frame.clear()
-        raise
+    await _await_callback(callback(unit, slabs), unit)
 
 
 async def _await_callback(pending: object, unit: str) -> None:
@@ -1322,112 +1331,6 @@ async def _await_callback(pending: object, unit: str) -> None:
         raise
     except Exception as err:
         raise LoadError(f"on_unit_ready callback failed for unit {unit!r}: {err!r}") from err
-
-
-def _forget_locals(error: BaseException | None) -> None:
-    """Clear the local variables of the frames in a finished load's error and its causes.
-
-    The SlabSet keeps its last load's error (``ready()`` raises it as the cause), and the
-    error's traceback keeps every frame it went through with their locals: ``self``, the
-    slabs. That is a cycle, so a failed or cancelled SlabSet that was dropped without
-    ``aclose()`` kept its slabs (VRAM on a GPU) until the garbage collector's next full
-    pass, and the server's retry could not allocate. Files and lines stay, for logs.
-
-    Runs when the load's task is done, before its awaiting caller resumes: the caller's own
-    frames are not in the traceback yet. Only the frames :func:`_clearable` allows are
-    cleared: before Python 3.13, clearing the frame of a suspended coroutine closes the
-    coroutine, and an error from user code may carry the frame of one still running (a
-    unit callback's own frame is cleared by :func:`_callback`, which saw it end).
-    """
-    if error is None:
-        return
-    running = _awaiting_frames()
-    seen: set[int] = set()
-    pending: list[BaseException | None] = [error]
-    while pending:
-        err = pending.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        tb = err.__traceback__
-        while tb is not None:
-            if id(tb.tb_frame) not in running and _clearable(tb.tb_frame):
-                with contextlib.suppress(RuntimeError):  # running, e.g. in an I/O thread
-                    tb.tb_frame.clear()
-            tb = tb.tb_next
-        pending += [err.__cause__, err.__context__]
-        if isinstance(err, BaseExceptionGroup):
-            pending += err.exceptions
-
-
-_SUSPENDABLE = (
-    inspect.CO_GENERATOR
-    | inspect.CO_COROUTINE
-    | inspect.CO_ASYNC_GENERATOR
-    | inspect.CO_ITERABLE_COROUTINE
-)
-
-
-# Every load task, of every event loop (loads may run in loops of other threads).
-_LOAD_TASKS: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
-_LOAD_TASKS_LOCK = threading.Lock()
-
-
-def _awaiting_frames() -> set[int]:
-    """The frames of the coroutines each task of the running loop, and each load task of
-    any loop, is suspended in: another SlabSet's load still draining, say (in this loop or
-    another thread's), whose error a callback of this one re-raised."""
-    with _LOAD_TASKS_LOCK:
-        loads = list(_LOAD_TASKS)
-    frames: set[int] = set()
-    for task in {*asyncio.all_tasks(), *loads}:
-        awaiting: Any = task.get_coro()
-        while awaiting is not None:
-            frame = getattr(awaiting, "cr_frame", None) or getattr(awaiting, "gi_frame", None)
-            if frame is not None:
-                frames.add(id(frame))
-            awaiting = getattr(awaiting, "cr_await", None) or getattr(
-                awaiting, "gi_yieldfrom", None
-            )
-    return frames
-
-
-def _clearable(frame: FrameType) -> bool:
-    """A plain function's frame (never suspended: ended, or running and refusing), or one
-    of this package's coroutines (the load's, ended with it). Not a coroutine of user code:
-    an error re-raised keeps its first traceback, which may end in the frame of a task
-    still running (a client's reader that caught it), and clearing that closes the task."""
-    if not frame.f_code.co_flags & _SUSPENDABLE:
-        return True
-    return str(frame.f_globals.get("__name__", "")).partition(".")[0] == __package__
-
-
-def _weakly(method: Callable[[], T]) -> Callable[[], T]:
-    """``method``, holding its object weakly (see ``_read_all``). The load calls it only
-    while it runs, when its own frames hold the object."""
-    ref = weakref.WeakMethod(method)
-
-    def call() -> T:
-        bound = ref()
-        if bound is None:
-            raise LoadError("the SlabSet is gone")
-        return bound()
-
-    return call
-
-
-def _forget_cancelled(tasks: Iterable[asyncio.Task[Any]]) -> None:
-    """Drop the tracebacks of the ``CancelledError``s of the tasks a failed load cancelled
-    (see :func:`_forget_locals`): each task keeps the one raised in it, whose traceback
-    holds the load's closures and frames in cycles asyncio leaves to the garbage collector.
-    Nobody sees these errors; ``result()`` hands one over once, and the task lets go of it.
-    """
-    for task in tasks:
-        if task.done() and task.cancelled():
-            try:
-                task.result()
-            except asyncio.CancelledError as err:
-                err.__traceback__ = None
 
 
 def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:

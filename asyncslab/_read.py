@@ -291,6 +291,10 @@ class IoPool:
                 future.set_exception(err)
             else:
                 future.set_result(result)
+                del result
+            # The call's error holds this frame, and the future holds the error: a cycle,
+            # and this frame keeps the previous call's locals while it waits for the next.
+            del item, future, fn, args, kwargs
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if self._starter is None:
@@ -300,7 +304,11 @@ class IoPool:
         self._inflight.add(future)
         future.add_done_callback(self._inflight.discard)
         self._queue.put((future, fn, args, kwargs))
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            # The call's error holds this frame, and the future holds the error: a cycle.
+            del future
 
     async def drain(self, limit: float | None) -> bool:
         """Wait for calls still running; ``False`` if some outlived ``limit`` seconds."""

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ._errors import DuplicateLandingError, IncompleteLoadError
+from ._errors import DuplicateLandingError, IncompleteLoadError, detached
 from ._plan import Plan
 
 __all__ = ["Tracker", "UnitState"]
@@ -43,7 +43,7 @@ class Tracker:
         # One future per waiting call, made in the waiter's loop: an Event would bind to the
         # first loop that waited on it, and a SlabSet reused under another loop (a second
         # asyncio.run) would then fail every ready() with "bound to a different event loop".
-        self._waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._waiters: dict[str, list[asyncio.Future[BaseException | None]]] = {}
         self._error: BaseException | None = None
         self.reset()
 
@@ -65,10 +65,12 @@ class Tracker:
                 self._complete(unit)
 
     def fail(self, error: BaseException) -> None:
-        """The load broke: wake every waiter with ``error`` (units stay incomplete)."""
-        self._error = error
+        """The load broke: wake every waiter with ``error`` (units stay incomplete). Later
+        waiters get a detached copy: the live error's frames hold the load's owner, which
+        holds this tracker."""
+        self._error = detached(error)
         for unit in list(self._waiters):
-            self._wake(unit)
+            self._wake(unit, error)
         self._on_complete = None
 
     def finish(self) -> None:
@@ -96,11 +98,11 @@ class Tracker:
         if self._on_complete is not None:
             self._on_complete(unit)
 
-    def _wake(self, unit: str) -> None:
+    def _wake(self, unit: str, error: BaseException | None = None) -> None:
         for waiter in self._waiters.pop(unit, ()):
             # Done: its caller was cancelled. Closed loop: nobody is left to wake.
             if not waiter.done() and not waiter.get_loop().is_closed():
-                waiter.set_result(None)
+                waiter.set_result(error)
 
     @property
     def error(self) -> BaseException | None:
@@ -156,21 +158,27 @@ class Tracker:
             raise self._unknown(unit)
         if self.is_complete(unit):
             return
-        if self._error is None:
+        error = self._error
+        if error is None:
+            waiter: asyncio.Future[BaseException | None]
             waiter = asyncio.get_running_loop().create_future()
             waiters = self._waiters.setdefault(unit, [])
             waiters.append(waiter)
             try:
-                await waiter
+                error = await waiter
             finally:
                 if not waiter.done() or waiter.cancelled():
                     # Cancelled: not left behind for every later wait to step over.
                     with contextlib.suppress(ValueError):
                         waiters.remove(waiter)
+                del waiter
         if not self.is_complete(unit):
-            raise IncompleteLoadError(
-                f"unit {unit!r} will not complete: the load failed", unit=unit
-            ) from self._error
+            try:
+                raise IncompleteLoadError(
+                    f"unit {unit!r} will not complete: the load failed", unit=unit
+                ) from error
+            finally:
+                del error  # this frame is in the raised error's traceback: no cycle
 
     def states(self) -> Mapping[str, UnitState]:
         return {

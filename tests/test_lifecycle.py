@@ -14,6 +14,7 @@ import re
 import shutil
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,6 @@ import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab import _copy as copy_module
 from asyncslab._format import _gc_paused
-from asyncslab._loader import _forget_locals
 from asyncslab._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
@@ -592,36 +592,37 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
         assert backing() is None
 
 
-async def test_clearing_a_failed_loads_frames_spares_asyncslab_coroutines_still_running() -> None:
-    """The error a failed load keeps may carry, through a callback that re-raised it, the
-    frame of another SlabSet's load still draining (ready() raises as soon as a load has
-    failed). That frame is asyncslab's own, but its coroutine is running: clearing it
-    (before Python 3.13) would close it mid-drain. Stood in for here by a coroutine of a
-    module named like one of the package's."""
-    namespace: dict[str, Any] = {"__name__": "asyncslab._drain_stand_in", "asyncio": asyncio}
-    exec(
-        "async def draining(caught, ticks):\n"
-        "    try:\n"
-        "        raise OSError('stuck read')\n"
-        "    except OSError as err:\n"
-        "        caught.append(err)\n"
-        "    while True:\n"
-        "        ticks.append(1)\n"
-        "        await asyncio.sleep(0.005)\n",
-        namespace,
-    )
-    caught: list[BaseException] = []
-    ticks: list[int] = []
-    task = asyncio.create_task(namespace["draining"](caught, ticks))
-    await asyncio.sleep(0.02)
-    _forget_locals(caught[0])
-    before = len(ticks)
-    await asyncio.sleep(0.05)
-    assert not task.done(), task
-    assert len(ticks) > before
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+async def test_a_failed_loads_error_keeps_the_locals_of_the_frames_it_went_through(
+    small_checkpoint: SyntheticCheckpoint,
+) -> None:
+    """A debugger or an error reporter walking the traceback of a failed load sees the
+    locals of every frame, the user's callback included: nothing is cleared to free the
+    slabs (the SlabSet keeps no live error, so nothing has to be)."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+
+    async def unit_ready(unit: str, slabs: SlabSet) -> None:
+        warmed = {"unit": unit}
+        raise RuntimeError(f"cannot warm up {warmed['unit']}")
+
+    async with SlabSet(plan(ckpt)) as slabs:
+        with pytest.raises(asyncslab.LoadError, match="cannot warm up") as info:
+            await slabs.load(ckpt, options=SMALL, on_unit_ready=unit_ready)
+        cause = info.value.__cause__
+        assert isinstance(cause, RuntimeError)
+        frames = [frame for frame, _ in traceback.walk_tb(cause.__traceback__)]
+        callback = [f for f in frames if f.f_code is unit_ready.__code__]
+        assert len(callback) == 1
+        assert callback[0].f_locals["warmed"] == {"unit": callback[0].f_locals["unit"]}
+        # What ready() raises later holds no frame, but says where the error was raised.
+        with pytest.raises(asyncslab.IncompleteLoadError) as later:
+            await slabs.ready()
+        kept = later.value.__cause__
+        assert isinstance(kept, asyncslab.LoadError)
+        assert str(kept) == str(info.value)
+        assert kept.__traceback__ is None
+        assert isinstance(kept.__cause__, RuntimeError)
+        assert any("unit_ready" in note for note in getattr(kept.__cause__, "__notes__", []))
+        del info, cause, frames, callback, later, kept
 
 
 async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
