@@ -49,7 +49,6 @@ __all__ = [
     "main",
     "run",
     "write_many_small",
-    "write_synthetic_parallel",
 ]
 
 MiB = 1 << 20
@@ -314,72 +313,10 @@ def write_many_small(
     )
 
 
-def _write_shard(job: tuple[str, Any, int, int]) -> int:
-    """Materialise and save shard ``index`` of ``spec`` (what write_synthetic does per shard);
-    runs in a worker process. Returns the payload bytes written."""
-    directory, spec, index, threads = job
-    import torch
-    from safetensors.torch import save_file
-
-    from asyncslab import _synthetic as syn
-
-    torch.set_num_threads(max(1, threads))
-    entries = list(syn._layout(spec, syn._draw_tiers(spec)))
-    cuts = [*syn._shard_cuts(entries, spec.n_shards), len(entries)]
-    chunk = entries[cuts[index] : cuts[index + 1]]
-    tensors = {e.name: syn._materialise(e, spec) for e in chunk}
-    save_file(
-        tensors,
-        str(Path(directory) / syn._shard_names(spec.n_shards)[index]),
-        metadata={"format": "pt"},
-    )
-    return sum(e.nbytes for e in chunk)
-
-
-def write_synthetic_parallel(directory: Path, spec: Any, workers: int) -> int:
-    """``write_synthetic(directory, spec)`` with shards written by ``workers`` processes.
-
-    Byte-identical to write_synthetic (every tensor is a pure function of the spec and its
-    name; tests/test_bench.py compares the two). Uses asyncslab._synthetic's internals, so it
-    falls back to write_synthetic if they change. Returns the payload bytes."""
-    from asyncslab import _synthetic as syn
-
-    try:
-        tiers = syn._draw_tiers(spec)
-        entries = list(syn._layout(spec, tiers))
-        cuts = [*syn._shard_cuts(entries, spec.n_shards), len(entries)]
-        names = syn._shard_names(spec.n_shards)
-    except AttributeError:
-        return int(syn.write_synthetic(directory, spec).total_bytes)
-    directory.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // max(1, workers))
-    jobs = [(str(directory), spec, i, threads) for i in range(spec.n_shards)]
-    if workers <= 1:
-        total = sum(_write_shard(job) for job in jobs)
-    else:
-        import concurrent.futures
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            total = sum(pool.map(_write_shard, jobs))
-    weight_map = {
-        e.name: names[i] for i in range(spec.n_shards) for e in entries[cuts[i] : cuts[i + 1]]
-    }
-    if spec.n_shards > 1:
-        doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps(doc, indent=2, sort_keys=True) + "\n"
-        )
-    tier_doc = {str(layer): {str(e): k for e, k in d.items()} for layer, d in tiers.items()}
-    (directory / "tier_map.json").write_text(json.dumps(tier_doc, indent=2) + "\n")
-    return total
-
-
 def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, dict[str, Any]]:
     """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``, with
     ``workers`` processes (default: one per two CPUs, at most one per shard)."""
-    from ._synthetic import spec_for_size
+    from ._synthetic import spec_for_size, write_synthetic
 
     spec = spec_for_size(size)
     target = root / f"asyncslab-bench-{size}"
@@ -390,7 +327,7 @@ def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, 
     t = time.perf_counter()
     if workers is None:
         workers = max(1, min(spec.n_shards, (os.cpu_count() or 1) // 2))
-    total = write_synthetic_parallel(target, spec, workers)
+    total = int(write_synthetic(target, spec, workers=workers).total_bytes)
     seconds = time.perf_counter() - t
     marker.write_text(repr(spec))
     return target, {

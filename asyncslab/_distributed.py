@@ -51,11 +51,13 @@ import torch.distributed as dist
 
 from ._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, first_line
 from ._format import Checkpoint, TensorInfo
-from ._loader import LoadOptions, SlabSet, _open_checked
+from ._load import Load, open_checked
+from ._loader import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Plan, plan
 from ._read import pread_scatter, scatter
 from ._rules import Dense, RowSlice
+from ._sink import Sink
 from ._staging import pinned_bytes
 from ._vocab import Claim, Rule
 
@@ -506,6 +508,8 @@ class _Session:
         self.abandoned = False
         self.local_error: BaseException | None = None
         self.local_task: asyncio.Task[Any] | None = None
+        # The shared load this rank's slabs run (share_reads), once begun.
+        self.load: Load | None = None
         self.stopped_by: int | None = None
         self.fds: dict[int, int] = {}
         self.started = time.perf_counter()
@@ -555,10 +559,10 @@ class _Session:
                 self.comm_device = self.slabs.device
             if self.share:
                 hello["ranges"] = _pack(_needed_ranges(self.plan))
-                self.slabs._begin(self.checkpoint, self.plan, self.options)
-                self.slabs._transfer = "shared"  # bytes arrive in the group's chunks
+                # Bytes arrive in the group's chunks ("shared"), landed here.
+                self.load = begin_shared(self.slabs, self.checkpoint, self.plan, self.options)
                 for i, shard in enumerate(self.plan.files):
-                    self.fds[i] = _open_checked(
+                    self.fds[i] = open_checked(
                         shard.path,
                         shard.size,
                         shard.inode,
@@ -877,9 +881,9 @@ class _Session:
                 # What is held: torch pins a power of two (chunk_bytes, unless one chunk
                 # is smaller); the device buffers are as asked.
                 held = pinned_bytes(size) if pin else size
-                self.slabs._staging_budget = nbuf * (held + (size if self.comm_cuda else 0))
-                self.slabs._staging_peak = self.slabs._staging_budget
-                routes = _RouteIndex(self.plan, self.slabs)
+                assert self.load is not None
+                self.load.record_staging(nbuf * (held + (size if self.comm_cuda else 0)))
+                routes = _RouteIndex(self.plan, self.load.sink)
                 thread.start()
             except Exception as err:
                 setup_error = self.local_error = err
@@ -1009,9 +1013,10 @@ class _Session:
         if self.abandoned or self.local_error is not None:
             return
         try:
-            self.slabs._tracker.begin(None)  # completes units without routes, as the loader
+            assert self.load is not None
+            self.load.begin(None)  # completes units without routes, as the loader
             for route in empty:
-                self.slabs._tracker.land(route, 0)
+                self.load.land(route, 0)
         except AsyncSlabError as err:
             self.local_error = err
 
@@ -1019,37 +1024,37 @@ class _Session:
         if self.abandoned or self.local_error is not None:
             return
         try:
-            land = self.slabs._tracker.land
+            assert self.load is not None
+            land = self.load.land
             for route, nbytes in landed:
                 land(route, nbytes)
-                self.slabs._bytes_landed += nbytes
         except AsyncSlabError as err:
             self.local_error = err
 
     def _settle_share(self) -> None:
-        slabs = self.slabs
-        slabs._bytes_needed = sum(r.nbytes for r in self.plan.routes)
-        slabs._bytes_read = self.bytes_read
-        slabs._reads = self.reads
-        if slabs.state != "loading":
+        load = self.load
+        if load is None:
+            return
+        load.bytes_read = self.bytes_read
+        load.reads = self.reads
+        if load.state != "loading":
             return
         if self.local_error is None and self.abort_reason is None and self.stopped_by is None:
-            if not slabs.complete:
-                missing = [u for u in self.plan.units if not slabs._tracker.is_complete(u)]
+            if not load.complete:
                 self.local_error = IncompleteLoadError(
-                    f"shared load finished with incomplete units {missing[:5]}"
+                    f"shared load finished with incomplete units {load.missing_units()}"
                 )
         if self.abort_reason is not None:
-            slabs._finish("cancelled", asyncio.CancelledError(self.abort_reason))
+            load.finish("cancelled", asyncio.CancelledError(self.abort_reason))
         elif self.local_error is not None:
-            slabs._finish("failed", self.local_error)
+            load.finish("failed", self.local_error)
         elif self.stopped_by is not None:
-            slabs._finish(
+            load.finish(
                 "failed",
                 LoadError(f"stopped: rank {self.stopped_by} failed (see the load's error)"),
             )
         else:
-            slabs._finish("complete")
+            load.finish("complete")
 
 
 class _RouteIndex:
@@ -1059,15 +1064,15 @@ class _RouteIndex:
     one), so the routes of a file sorted by start are also sorted by end.
     """
 
-    def __init__(self, plan: Plan, slabs: SlabSet) -> None:
-        if slabs._given is not None:
+    def __init__(self, plan: Plan, sink: Sink) -> None:
+        if sink.backing is None:
             raise LoadError(
                 "share_reads=True writes into slabs asyncslab allocated; these were given "
                 "(tensors=): load them without share_reads"
             )
         index = {f.path: i for i, f in enumerate(plan.files)}
         per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
-        route_base = slabs._route_base
+        route_base = sink.route_base
         self.empty = [i for i, r in enumerate(plan.routes) if not r.nbytes]
         for i, r in enumerate(plan.routes):
             if r.nbytes:
@@ -1077,9 +1082,9 @@ class _RouteIndex:
         self.files = {f: sorted(v) for f, v in per_file.items()}
         self.starts = {f: [e[0] for e in v] for f, v in self.files.items()}
         # Hold the backing: it outlives a SlabSet closed meanwhile.
-        self.backing = slabs._backing
-        self.cuda = slabs.device.type == "cuda"
-        self.cuda_device = slabs.device if self.cuda else None
+        self.backing = sink.backing
+        self.cuda = sink.device.type == "cuda"
+        self.cuda_device = sink.device if self.cuda else None
 
     def overlaps(self, seg: _Segment) -> Iterable[tuple[int, int, int, int, int]]:
         """``(route, file offset, slab's offset in the backing, byte offset in the slab,
@@ -1212,7 +1217,7 @@ async def load(
         raise LoadError("this process is not a member of the given process group")
     options = options or LoadOptions()
     if into is not None:
-        await into._after_earlier_loads()  # one of these slabs may still be releasing
+        await settled(into)  # one of these slabs may still be releasing
     session = _Session(
         checkpoint,
         plan,
@@ -1289,9 +1294,8 @@ async def _drive(
         await _local_settled(session)
         session.abandoned = True
         # Nothing more will land: close out the slabs' state so waiters wake.
-        slabs = session._slabs
-        if slabs is not None and slabs.state == "loading":
-            slabs._finish("failed", LoadError("distributed load timed out"))
+        if session.load is not None and session.load.state == "loading":
+            session.load.finish("failed", LoadError("distributed load timed out"))
         raise DistributedLoadError(
             f"{session.where()}: distributed load did not finish within timeout={timeout} s "
             "(waiting for the other ranks or the shared reads); the process group is "
@@ -1325,8 +1329,8 @@ async def _release(session: _Session, owned: bool) -> None:
     """After a failed distributed load: no slab of this rank stays usable."""
     await _local_settled(session)
     slabs = session._slabs
-    if slabs is not None and slabs.state == "loading":
-        slabs._finish("failed", LoadError("distributed load failed"))
+    if session.load is not None and session.load.state == "loading":
+        session.load.finish("failed", LoadError("distributed load failed"))
     if not session.abandoned:
         # Only left open when the protocol thread never ran; an abandoned one closes its own.
         for fd in session.fds.values():
@@ -1336,7 +1340,7 @@ async def _release(session: _Session, owned: bool) -> None:
         pass  # its allocation failed: nothing to free
     elif owned:
         await slabs.aclose()
-    elif slabs._closed:
+    elif is_closed(slabs):
         pass  # closed by its owner meanwhile: nothing is handed out
     elif slabs.state == "complete":
         slabs.reset()
@@ -1344,10 +1348,10 @@ async def _release(session: _Session, owned: bool) -> None:
         # Failed or cancelled: the tracker keeps the units that completed before the break,
         # and slab() would hand them out on this rank alone. Keep the error (ready() raises
         # with it) but no completed unit.
-        error = slabs._tracker.error or LoadError("distributed load failed")
-        slabs._tracker.reset()
-        slabs._tracker.fail(error)
+        void(slabs)
     if not session.abandoned:
         # The protocol's threads are done with the slabs; their frames, in the error's
-        # traceback, may keep the session: it lets go of the slabs.
+        # traceback, may keep the session: it lets go of the slabs (and of the load, whose
+        # sink holds their memory).
         session._slabs = None
+        session.load = None

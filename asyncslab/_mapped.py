@@ -34,12 +34,17 @@ from typing import Protocol
 
 import torch
 
+from ._copy import Copier
 from ._errors import ReadError, first_line
-from ._schedule import ReadOp
+from ._options import LoadOptions
+from ._schedule import ReadOp, windows
+from ._sink import Files, ReadOne, Reads, Sink, named_copy
+from ._staging import StagingStatistics
 
 __all__ = [
     "PAGE",
     "CudaRegistry",
+    "Mapped",
     "Mappings",
     "PopulateRegistry",
     "Registry",
@@ -263,3 +268,52 @@ def _libc_function(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] 
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]
+
+
+class Mapped:
+    """The mapped transfer (``LoadOptions(transfer="mapped")``): copies out of the mapped
+    shards, each read's pages registered for the time of its copies. Reads are page
+    windows of ``staging_bytes // staging_buffers`` (at least a page), on
+    ``staging_buffers`` threads; no buffer is made."""
+
+    name = "mapped"
+    staging_budget = 0
+
+    def __init__(self, options: LoadOptions, device: torch.device, copier: Copier) -> None:
+        self.read_size = options.staging_bytes // options.staging_buffers
+        self.workers = options.staging_buffers
+        self._cuda = device if device.type == "cuda" else None
+        self._copier = copier
+        self._mappings: Mappings | None = None
+
+    def plan(self, sink: Sink, gap: int) -> Reads:
+        return Reads(windows(sink.plan, window=max(PAGE, self.read_size - self.read_size % PAGE)))
+
+    def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
+        paths = files.paths
+        try:
+            mappings = self._mappings = Mappings(
+                [files.fds[i] for i in range(len(paths))], files.sizes, paths
+            )
+        except OSError as err:
+            raise ReadError(f"cannot map the shards: {err.strerror or err}") from err
+        registry: Registry = (
+            CudaRegistry(self._cuda) if self._cuda is not None else PopulateRegistry()
+        )
+        ops = reads.schedule.ops
+        copy = named_copy(self._copier.copy, sink, paths)
+
+        def read_one(worker: int, index: int) -> int:
+            op = ops[index]
+            return transfer(
+                op, mappings, registry, lambda o, src: copy(o, src, worker), paths[op.file]
+            )
+
+        return read_one
+
+    def staging(self) -> StagingStatistics | None:
+        return None
+
+    def close(self) -> None:
+        if self._mappings is not None:
+            self._mappings.close()

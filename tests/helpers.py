@@ -74,3 +74,10 @@ def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
         return pread_scatter(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_copy, "pread_scatter", slow)
+
+
+def staging_released(slabs: asyncslab.SlabSet) -> bool:
+    """The last load's staging buffers were dropped (its transfer holds none any more)."""
+    strategy = slabs._load.strategy
+    staging = strategy.staging() if strategy is not None else None
+    return staging is None or staging.buffers == 0

@@ -366,9 +366,10 @@ def _schedule(p: asyncslab.Plan, size: int) -> list[Any]:
 
 def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
     spec = asyncslab.testing.SyntheticSpec()
+    assert spec.n_shards > 1
     reference = asyncslab.testing.write_synthetic(tmp_path / "a", spec)
-    total = _bench.write_synthetic_parallel(tmp_path / "b", spec, workers=1)
-    assert total == reference.total_bytes
+    parallel = asyncslab.testing.write_synthetic(tmp_path / "b", spec, workers=2)
+    assert parallel.total_bytes == reference.total_bytes
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "b").iterdir())
     for name in names:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_bit_identical, raw_bytes, slow_reads
+from helpers import assert_bit_identical, raw_bytes, slow_reads, staging_released
 from safetensors import safe_open
 
 import asyncslab
@@ -121,7 +121,7 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert slabs.statistics().state == "cancelled"
-    assert slabs._staging is None  # the pinned staging buffers went with the load
+    assert staging_released(slabs)  # the pinned staging buffers went with the load
     monkeypatch.undo()
     await slabs.load(ckpt)
     assert_bit_identical(slabs, ckpt)
@@ -170,7 +170,7 @@ async def test_cuda_failing_copy_fails_the_load_and_a_retry_succeeds(
     # The failed read's copies had finished before the load reported.
     assert event.query()  # type: ignore[no-untyped-call]
     assert slabs.statistics().state == "failed"
-    assert slabs._staging is None
+    assert staging_released(slabs)
     monkeypatch.undo()
     slabs.reset()
     await slabs.load(ckpt, options=options)

@@ -753,15 +753,15 @@ def _refuse_route_index() -> Callable[[], None]:
 
 def _refuse_open() -> Callable[[], None]:
     """Make opening a shard for the shared reads fail, as a permission error would."""
-    real = distributed._open_checked
+    real = distributed.open_checked
 
     def refuse(path: Path, *args: Any, **kwargs: Any) -> int:
         raise asyncslab.errors.ReadError("cannot open it: permission denied (injected)", file=path)
 
-    distributed._open_checked = refuse
+    distributed.open_checked = refuse
 
     def undo() -> None:
-        distributed._open_checked = real
+        distributed.open_checked = real
 
     return undo
 

@@ -124,3 +124,55 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
         visit(module, [])
     assert "_vocab" in graph
     assert graph["_vocab"] <= {"_errors", "_format"}
+
+
+def test_no_module_reaches_into_another_modules_privates() -> None:
+    """``obj._name`` only for a ``_name`` its own module defines (a class's private used by
+    a function beside it): the stages talk through what each module exports. Outside the
+    package, only the interpreter's and torch's documented underscore names."""
+    import ast
+    from pathlib import Path
+
+    # Other libraries' underscore names asyncslab has to use, each for a reason: torch's
+    # module registries (binding parameters without a copy), ATen op names (_to_copy and
+    # _local_scalar_dense are what .to() and .item() dispatch as), argparse's subparser
+    # type, vLLM's list of the files a model loads (so that its format reads those).
+    allowed_foreign = {
+        "_exit", "_getframe", "_replace", "_asdict", "_fields", "_make",
+        "_parameters", "_buffers", "_to_copy", "_local_scalar_dense", "_SubParsersAction",
+        "_prepare_weights",
+    }  # fmt: skip
+    root = Path(asyncslab.__file__).parent
+    reaching: list[str] = []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        own: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, (ast.Name,)) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.ClassDef):
+                own.add(node.name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        own.add(item.target.id)
+                    if isinstance(item, ast.Assign):
+                        own.update(t.id for t in item.targets if isinstance(t, ast.Name))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            name = node.attr
+            if not name.startswith("_") or name.startswith("__") or name in own:
+                continue
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("torch", "sys", "os", "self", "cls"):
+                continue
+            if name in allowed_foreign:
+                continue
+            reaching.append(f"{path.name}:{node.lineno}: .{name}")
+    assert reaching == [], "\n".join(reaching)

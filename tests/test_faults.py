@@ -37,7 +37,8 @@ from asyncslab import (
     IncompleteLoadError,
     LoadOptions,
     SlabSet,
-    _loader,
+    _load,
+    _staged,
     load,
     plan,
 )
@@ -233,7 +234,7 @@ async def test_truncated_between_stat_check_and_read(
         "half": (victim.data_start + victim.size) // 2,
         "all-but-one": victim.size - 1,
     }[keep]
-    original = _loader._open_checked
+    original = _load.open_checked
 
     def open_then_truncate(path: os.PathLike[str], *args: Any, **kwargs: Any) -> int:
         fd = original(path, *args, **kwargs)  # the size/inode/mtime check passed
@@ -241,7 +242,7 @@ async def test_truncated_between_stat_check_and_read(
             os.truncate(path, size)
         return fd
 
-    monkeypatch.setattr(_loader, "_open_checked", open_then_truncate)
+    monkeypatch.setattr(_load, "open_checked", open_then_truncate)
     fds = open_fds()
     slabs = SlabSet(p)
     with pytest.raises(ReadError, match="ended early") as info:
@@ -303,14 +304,14 @@ async def test_file_unlinked_after_open_still_loads(
     ckpt = Checkpoint.open(fresh_small.root)
     expected_bytes(ckpt)
     p = plan(ckpt)
-    original = _loader._open_checked
+    original = _load.open_checked
 
     def open_then_unlink(path: os.PathLike[str], *args: Any, **kwargs: Any) -> int:
         fd = original(path, *args, **kwargs)
         os.unlink(path)
         return fd
 
-    monkeypatch.setattr(_loader, "_open_checked", open_then_unlink)
+    monkeypatch.setattr(_load, "open_checked", open_then_unlink)
     slabs = await load(ckpt, p, options=SMALL)
     assert_bit_exact(slabs, ckpt)
     assert not any(f.path.exists() for f in ckpt.files)
@@ -869,14 +870,14 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     slabs = SlabSet(p)
     slab_refs = [weakref.ref(slabs._backing)]  # the one allocation behind every slab
     # A staged read writes into its staging buffer: that may not be freed under it either.
-    real_buffer = _loader._staging_buffer
+    real_buffer = _staged.staging_buffer
 
     def tracked(size: int, pin: bool) -> torch.Tensor:
         buffer = real_buffer(size, pin)
         slab_refs.append(weakref.ref(buffer))
         return buffer
 
-    monkeypatch.setattr(_loader, "_staging_buffer", tracked)
+    monkeypatch.setattr(_staged, "staging_buffer", tracked)
     options = LoadOptions(read_timeout=0.05, io_workers=2)
     if path == "staged":
         options = replace(options, transfer="staged", staging_buffers=2, staging_bytes=2 << 16)

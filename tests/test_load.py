@@ -26,6 +26,7 @@ from helpers import (
     open_fds,
     raw_bytes,
     slow_reads,
+    staging_released,
 )
 from safetensors.torch import save_file
 
@@ -511,14 +512,14 @@ async def test_duplicate_landing_is_an_error(moe_checkpoint: SyntheticCheckpoint
 async def test_duplicate_read_in_schedule_fails_the_load(
     moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncslab import _loader
+    from asyncslab import _direct
     from asyncslab._schedule import Schedule, schedule
 
     def doubled(*args: object, **kwargs: object) -> Schedule:
         s = schedule(*args, **kwargs)  # type: ignore[arg-type]
         return Schedule(s.ops + s.ops[:1], s.empty, s.bytes_needed, s.bytes_read)
 
-    monkeypatch.setattr(_loader, "schedule", doubled)
+    monkeypatch.setattr(_direct, "schedule", doubled)
     ckpt = Checkpoint.open(moe_checkpoint.root)
     with pytest.raises(asyncslab.DuplicateLandingError, match="landed twice"):
         await load(ckpt, plan(ckpt), options=LoadOptions(io_workers=1))
@@ -545,11 +546,11 @@ async def test_staged_reads_fit_buffers_rounded_down_as_pinned_ones_are(
     """Pinned staging buffers are a power of two each, rounded down (see staging_budget):
     the reads must be cut to the buffer as made, not to the size asked, or they would run
     past its end. On the CPU, with the rounding a CUDA target gets."""
-    from asyncslab import _loader
+    from asyncslab import _staged
 
-    real = _loader.staging_budget
+    real = _staged.staging_budget
     monkeypatch.setattr(
-        _loader, "staging_budget", lambda budget, buffers, pinned: real(budget, buffers, True)
+        _staged, "staging_budget", lambda budget, buffers, pinned: real(budget, buffers, True)
     )
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
@@ -635,19 +636,19 @@ async def test_staged_load_pins_one_buffer_per_thread_on_the_threads(
 ) -> None:
     """Many more reads than buffers: each I/O thread makes its buffer once, off the event
     loop, and reuses it; the bytes land exactly."""
-    from asyncslab import _loader
+    from asyncslab import _staged
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = LoadOptions(transfer="staged", staging_bytes=3 * (16 << 10), staging_buffers=3)
-    real = _loader._staging_buffer
+    real = _staged.staging_buffer
     makers: list[str] = []
 
     def recording(size: int, pin: bool) -> torch.Tensor:
         makers.append(threading.current_thread().name)
         return real(size, pin)
 
-    monkeypatch.setattr(_loader, "_staging_buffer", recording)
+    monkeypatch.setattr(_staged, "staging_buffer", recording)
     slabs = await load(ckpt, p, options=options)
     assert_bit_identical(slabs, ckpt)
     assert slabs.statistics().reads > 3 * len(makers)
@@ -687,7 +688,7 @@ async def test_a_failing_staged_copy_fails_the_load_naming_the_read(
         assert route.src_offset <= err.details["offset"] < route.src_offset + route.nbytes
         assert (err.details["slab"], err.details["slot"]) == (route.slab, route.slot)
         assert slabs.state == "failed"
-        assert slabs._staging is None
+        assert staging_released(slabs)
         assert open_fds() == fds_before
         assert not io_threads()
         monkeypatch.setattr(copy_module.CpuCopier, "copy", real)
@@ -702,12 +703,12 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
     """Pinning happens during the load now (a buffer when a read first needs it): if it
     fails, the load fails with that error, leaves no fd or thread behind, and the next
     load into the same SlabSet works."""
-    from asyncslab import _loader
+    from asyncslab import _staged
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = LoadOptions(transfer="staged", staging_bytes=4 * (64 << 10), staging_buffers=4)
-    real = _loader._staging_buffer
+    real = _staged.staging_buffer
     made = [0]
 
     def second_fails(size: int, pin: bool) -> torch.Tensor:
@@ -718,13 +719,13 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
 
     fds_before = open_fds()
     async with SlabSet(p) as slabs:
-        monkeypatch.setattr(_loader, "_staging_buffer", second_fails)
+        monkeypatch.setattr(_staged, "staging_buffer", second_fails)
         with pytest.raises(asyncslab.LoadError, match="cannot pin 64 KiB"):
             await slabs.load(ckpt, options=options)
         assert slabs.state == "failed"
         assert open_fds() == fds_before
         assert not io_threads()
-        monkeypatch.setattr(_loader, "_staging_buffer", real)
+        monkeypatch.setattr(_staged, "staging_buffer", real)
         slabs.reset()
         await slabs.load(ckpt, options=options)
         assert_bit_identical(slabs, ckpt)

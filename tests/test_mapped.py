@@ -37,7 +37,8 @@ from test_faults import (
 )
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet, _loader, _mapped, plan
+from asyncslab import Checkpoint, LoadOptions, SlabSet, _copy, _mapped, plan
+from asyncslab._options import resolve_transfer
 from asyncslab._schedule import ReadOp, windows
 from asyncslab.testing import SyntheticCheckpoint
 
@@ -100,7 +101,7 @@ class RecordingRegistry(_mapped.PopulateRegistry):
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[RecordingRegistry]:
     reg = RecordingRegistry()
-    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: reg)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: reg)
     yield reg
     assert reg.errors == []
     assert reg.live == {}, "a registration was never undone"
@@ -167,7 +168,7 @@ async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     failing = RecordingRegistry(fail_at=5)
-    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: failing)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: failing)
     fds = open_fds()
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.errors.ReadError) as info:
@@ -185,7 +186,7 @@ async def test_a_failed_registration_fails_the_load_naming_file_and_offset(
         # Nothing half-loaded is handed out; a retry with a working registry succeeds.
         with pytest.raises(asyncslab.IncompleteLoadError):
             slabs.slab(next(iter(p.slabs)))
-        monkeypatch.setattr(_loader, "PopulateRegistry", RecordingRegistry)
+        monkeypatch.setattr(_mapped, "PopulateRegistry", RecordingRegistry)
         slabs.reset()
         await slabs.load(ckpt, options=MAPPED)
         assert_bit_identical(slabs, ckpt)
@@ -201,7 +202,7 @@ async def test_a_failing_mapped_copy_fails_the_load_and_undoes_its_registration(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     calls = 0
-    real = _loader.CpuCopier.copy
+    real = _copy.CpuCopier.copy
 
     def failing(self: object, op, buffer, backing, route_base, stream_index):  # type: ignore[no-untyped-def]
         nonlocal calls
@@ -210,7 +211,7 @@ async def test_a_failing_mapped_copy_fails_the_load_and_undoes_its_registration(
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         real(self, op, buffer, backing, route_base, stream_index)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_loader.CpuCopier, "copy", failing)
+    monkeypatch.setattr(_copy.CpuCopier, "copy", failing)
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.LoadError, match="illegal memory access") as info:
             await slabs.load(ckpt, options=MAPPED)
@@ -256,9 +257,9 @@ async def test_a_range_left_registered_keeps_its_shard_mapped(
     ckpt = Checkpoint.open(fresh_moe.root)
     p = plan(ckpt)
     failing = UnregisterFails(fail_unregister_at=4)
-    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: failing)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: failing)
     if copy_fails:
-        real = _loader.CpuCopier.copy
+        real = _copy.CpuCopier.copy
         calls = [0]
 
         def copy(self: object, *args: Any) -> None:
@@ -267,7 +268,7 @@ async def test_a_range_left_registered_keeps_its_shard_mapped(
                 raise RuntimeError("CUDA error: injected")
             real(self, *args)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(_loader.CpuCopier, "copy", copy)
+        monkeypatch.setattr(_copy.CpuCopier, "copy", copy)
     before = mapped_shards(ckpt)
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.LoadError) as info:
@@ -280,7 +281,7 @@ async def test_a_range_left_registered_keeps_its_shard_mapped(
     start, end = (int(x, 16) for x in left[0].split(" ")[0].split("-"))
     assert start <= address < end
     monkeypatch.undo()
-    monkeypatch.setattr(_loader, "PopulateRegistry", RecordingRegistry)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", RecordingRegistry)
     async with SlabSet(p) as slabs:
         await slabs.load(ckpt, options=MAPPED)
         assert_bit_identical(slabs, ckpt)
@@ -295,7 +296,7 @@ async def test_mapped_cancel_at_random_points_leaks_nothing(
     ckpt = Checkpoint.open(small_checkpoint.root)
     p = plan(ckpt)
     paced = RecordingRegistry(delay=0.0002)  # a load takes ~10 ms: cancelled mid-way
-    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: paced)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: paced)
     rng = random.Random(20261130)
     fds = open_fds()
     slabs = SlabSet(p)
@@ -348,7 +349,7 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
                 woke.append(address)
 
     stuck = Stuck()
-    monkeypatch.setattr(_loader, "PopulateRegistry", lambda: stuck)
+    monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: stuck)
     slabs = SlabSet(plan(ckpt))
     backing = weakref.ref(slabs._backing)  # the one allocation behind every slab
     with pytest.raises(asyncslab.errors.ReadTimeoutError):
@@ -414,9 +415,9 @@ def test_transfer_option_is_checked() -> None:
     with pytest.raises(ValueError, match="transfer must be one of"):
         LoadOptions(transfer="zero-copy")  # type: ignore[arg-type]
     with pytest.raises(asyncslab.LoadError, match="needs 'staged' or 'mapped'"):
-        _loader._transfer("direct", torch.device("cuda"))
-    assert _loader._transfer("auto", torch.device("cuda")) == "staged"
-    assert _loader._transfer("auto", torch.device("cpu")) == "direct"
+        resolve_transfer("direct", torch.device("cuda"))
+    assert resolve_transfer("auto", torch.device("cuda")) == "staged"
+    assert resolve_transfer("auto", torch.device("cpu")) == "direct"
 
 
 @pytest.mark.asyncio

@@ -328,10 +328,10 @@ async def test_io_threads_give_up_the_core_after_every_read(
 ) -> None:
     """Between two reads an I/O thread yields its core, so that a waking event loop does not
     wait for one while every core is busy reading."""
-    from asyncslab import _loader
+    from asyncslab import _load
 
     yields: list[str] = []
-    monkeypatch.setattr(_loader, "_yield", lambda: yields.append(threading.current_thread().name))
+    monkeypatch.setattr(_load, "_yield", lambda: yields.append(threading.current_thread().name))
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = await asyncslab.load(ckpt, plan(ckpt), options=LoadOptions(read_size=32 << 10))
     assert len(yields) == slabs.statistics().reads > 1

@@ -183,7 +183,7 @@ async def test_a_zero_byte_tensor_landing_twice_is_an_error(
     """Guards against a unit handed out before its bytes arrived: a zero-byte tensor
     landing twice (a broken schedule) must be a DuplicateLandingError, not counted twice,
     which would complete its unit while another of its tensors is still unread."""
-    from asyncslab import _loader
+    from asyncslab import _direct
     from asyncslab._schedule import Schedule, schedule
 
     empty, weight = "model.layers.0.empty", "model.layers.0.weight"
@@ -201,7 +201,7 @@ async def test_a_zero_byte_tensor_landing_twice_is_an_error(
         assert s.empty  # zero-byte routes land without a read, from this list
         return Schedule(s.ops, s.empty + s.empty, s.bytes_needed, s.bytes_read)
 
-    monkeypatch.setattr(_loader, "schedule", doubled)
+    monkeypatch.setattr(_direct, "schedule", doubled)
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.DuplicateLandingError, match="landed twice") as info:
             await asyncio.wait_for(slabs.load(ckpt, options=LoadOptions(io_workers=1)), 5)
