@@ -33,6 +33,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import torch
 
+from . import _verify
 from ._errors import AsyncSlabError, PlanError
 from ._format import INDEX_SUFFIX, Checkpoint
 from ._loader import LoadOptions, LoadStatistics, SlabSet, load
@@ -52,8 +53,9 @@ from ._synthetic import (
     spec_for_size,
     write_synthetic,
 )
+from ._verify import VerifyResult
 
-__all__ = ["main", "parse_size", "size_arg", "verify_slabs", "VerifyResult"]
+__all__ = ["main", "parse_size", "size_arg", "verify_slabs"]
 
 PROG = "asyncslab"
 _T = TypeVar("_T")
@@ -520,132 +522,17 @@ def peak_rss_bytes() -> int | None:
 # --------------------------------------------------------------------------- verification
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class VerifyResult:
-    """Outcome of comparing every routed tensor with what ``safetensors`` reads."""
-
-    tensors: int
-    mismatches: tuple[str, ...]
-    details: tuple[str, ...]
-    seconds: float
-
-    @property
-    def ok(self) -> bool:
-        return not self.mismatches
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "tensors": self.tensors,
-            "mismatches": list(self.mismatches),
-            "details": list(self.details),
-            "seconds": self.seconds,
-        }
-
-    def describe(self) -> str:
-        if self.ok:
-            return f"all {self.tensors:,} routed tensors match safetensors byte for byte"
-        more = f" and {len(self.details) - 1} more" if len(self.details) > 1 else ""
-        return (
-            f"{len(self.mismatches):,} of {self.tensors:,} routed tensors differ from "
-            f"safetensors: {self.details[0]}{more}"
-        )
-
-
-def _read_reference(file: Path, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors as the ``safetensors`` library reads them: the independent reference."""
-    from safetensors import safe_open
-
-    name = None
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as handle:
-            for name in names:
-                yield name, handle.get_tensor(name)
-    except Exception as err:  # safetensors' own SafetensorError derives from Exception only
-        what = f"tensor {name!r} of " if name is not None else ""
-        raise VerifyError(
-            f"--verify: the safetensors library cannot read {what}{file}: {err}"
-        ) from err
-
-
-class _Stopped(Exception):
-    """Verification abandoned: nobody waits for its result any more."""
-
-
 class VerifyError(UsageError):
     """The reference library could not read what was loaded (one line, exit code 2)."""
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bytewise equality of two uint8 vectors, compared in the widest aligned integer words
-    (comparing int64 words is several times faster than bytes, and just as exact)."""
-    if a.numel() != b.numel():
-        return False
-    for word in (torch.int64, torch.int32, torch.int16):
-        size = word.itemsize
-        if a.numel() % size == 0 and a.storage_offset() % size == 0 == b.storage_offset() % size:
-            return torch.equal(a.view(word), b.view(word))
-    return torch.equal(a, b)
-
-
 def verify_slabs(p: Plan, slabs: SlabSet, stop: threading.Event | None = None) -> VerifyResult:
-    """Compare every routed tensor's slot with ``safetensors.safe_open(...).get_tensor``,
-    as raw bytes (so NaN payloads and signed zeros count). ``stop`` set: give up before the
-    next tensor (its caller was interrupted)."""
-    started = time.perf_counter()
-    by_file: dict[Path, list[str]] = defaultdict(list)
-    for route in p.routes:
-        by_file[route.file].append(route.tensor)
-    mismatches: list[str] = []
-    details: list[str] = []
-    # Most tensors are a few KiB to a few MiB: waking a pool of threads for each
-    # comparison costs more than the comparison (measured: 8x slower with two threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    """``--verify``: asyncslab.testing.verify_slabs, an unreadable reference a usage
+    error."""
     try:
-        _compare_files(slabs, by_file, mismatches, details, stop)
-    finally:
-        torch.set_num_threads(threads)
-    return VerifyResult(
-        tensors=len(p.routes),
-        mismatches=tuple(mismatches),
-        details=tuple(details),
-        seconds=time.perf_counter() - started,
-    )
-
-
-def _compare_files(
-    slabs: SlabSet,
-    by_file: Mapping[Path, Sequence[str]],
-    mismatches: list[str],
-    details: list[str],
-    stop: threading.Event | None,
-) -> None:
-    for file, names in by_file.items():
-        for name, expected in _read_reference(file, names):
-            if stop is not None and stop.is_set():
-                raise _Stopped
-            got = slabs.view(name)
-            if got.device.type != "cpu":
-                got = got.cpu()
-            why = None
-            if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
-                why = (
-                    f"slot holds {got.dtype} {list(got.shape)}, safetensors reads "
-                    f"{expected.dtype} {list(expected.shape)}"
-                )
-            else:
-                a, b = _raw(got), _raw(expected)
-                if not _same_bytes(a, b):
-                    first = int((a != b).nonzero()[0, 0])
-                    why = f"bytes differ, first at byte {first} of {b.numel()}"
-            if why is not None:
-                mismatches.append(name)
-                details.append(f"{name!r} ({why})")
+        return _verify.verify_slabs(p, slabs, stop=stop)
+    except _verify.ReferenceUnreadable as err:
+        raise VerifyError(f"--verify: {err}") from err
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

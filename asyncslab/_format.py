@@ -690,7 +690,7 @@ class Checkpoint:
         ``diffusion_pytorch_model.safetensors.index.json``), or a directory of
         ``*.safetensors`` files."""
         path = Path(path)
-        with _gc_paused():
+        with gc_paused():
             return cls._open(path)
 
     @classmethod
@@ -700,7 +700,7 @@ class Checkpoint:
         files = [Path(p) for p in paths]
         if not files:
             raise MissingFileError("no .safetensors files given", file=Path("."))
-        with _gc_paused():
+        with gc_paused():
             return cls._of_files(files[0].parent, files, None, None, {})
 
     @classmethod
@@ -796,7 +796,7 @@ def _raise_duplicate(files: list[ShardFile], per_file: list[list[TensorInfo]]) -
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     # Parsing a large checkpoint creates millions of small containers, none cyclic; each
     # allocation burst would trigger a full collection over everything parsed so far, which
     # made opening 1M tensors several times slower.

@@ -34,7 +34,7 @@ from ._errors import (
     ReadError,
     ReadTimeoutError,
 )
-from ._format import _gc_paused
+from ._format import gc_paused
 from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
 from ._plan import Plan
 from ._read import IoPool, ReadFeed
@@ -426,7 +426,7 @@ class Load:
 
 
 def _planned(strategy: TransferStrategy, sink: Sink, gap: int) -> Reads:
-    with _gc_paused():  # many small objects, none cyclic (see _format)
+    with gc_paused():  # many small objects, none cyclic (see _format)
         return strategy.plan(sink, gap)
 
 

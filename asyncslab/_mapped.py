@@ -48,6 +48,8 @@ __all__ = [
     "Mappings",
     "PopulateRegistry",
     "Registry",
+    "libc_function",
+    "libc_mmap",
     "page_span",
     "transfer",
 ]
@@ -118,7 +120,7 @@ class PopulateRegistry:
     it, nothing (the copy faults the pages in)."""
 
     def __init__(self) -> None:
-        self._madvise = _libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+        self._madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
     def register(self, address: int, nbytes: int) -> None:
         madvise = self._madvise
@@ -142,7 +144,7 @@ class Mappings:
     read-only, a write would fault)."""
 
     def __init__(self, fds: Sequence[int], sizes: Sequence[int], paths: Sequence[str]) -> None:
-        mapper = _libc_mmap()
+        mapper = libc_mmap()
         self._maps: list[tuple[int, int]] = []
         self._sources: list[torch.Tensor | None] = []
         self._kept: set[int] = set()
@@ -184,7 +186,7 @@ class Mappings:
         self._sources = []
         for file, (address, size) in enumerate(maps):
             if size and file not in self._kept:
-                _libc_mmap().munmap(address, size)
+                libc_mmap().munmap(address, size)
 
 
 def transfer(
@@ -246,7 +248,7 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 _mapper: _Mmap | None = None
 
 
-def _libc_mmap() -> _Mmap:
+def libc_mmap() -> _Mmap:
     # libc's mmap rather than the mmap module: a module mmap exports its buffer only as a
     # Python object, which cannot be closed while a tensor views it; here the address is
     # plain and the load unmaps it when it is done.
@@ -258,7 +260,7 @@ def _libc_mmap() -> _Mmap:
     return _mapper
 
 
-def _libc_function(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
+def libc_function(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -31,10 +31,10 @@ from ._errors import (
 )
 from ._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ._vocab import (
-    _FILE,
-    _NAME,
-    _NBYTES,
-    _OFFSET,
+    FILE,
+    NAME,
+    NBYTES,
+    OFFSET,
     Claim,
     Route,
     SlabSpec,
@@ -564,10 +564,10 @@ class TieredMoE:
                     slots = [slot for slot, _ in entries]
                     infos = [t.info for _, t in entries]
                     n = len(entries)
-                    columns["tensor"] += map(_NAME, infos)
-                    columns["file"] += map(_FILE, infos)
-                    columns["src_offset"] += map(_OFFSET, infos)
-                    columns["nbytes"] += map(_NBYTES, infos)
+                    columns["tensor"] += map(NAME, infos)
+                    columns["file"] += map(FILE, infos)
+                    columns["src_offset"] += map(OFFSET, infos)
+                    columns["nbytes"] += map(NBYTES, infos)
                     columns["slab"] += [spec.name] * n
                     columns["slot"] += slots
                     columns["dst_offset"] += [

@@ -31,27 +31,27 @@ from ._errors import (
     ShapeMismatchError,
     UnmatchedTensorError,
 )
-from ._format import Checkpoint, ShardFile, TensorInfo, _gc_paused, safetensors_dtype
+from ._format import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
 from ._vocab import (
-    _DST_OFFSET,
-    _DTYPE,
-    _FILE,
-    _ITEM_SHAPE,
-    _NAME,
-    _NBYTES,
-    _OFFSET,
-    _SHAPE,
-    _SLAB,
-    _SLOT,
-    _SLOT_DIMS,
-    _SRC_OFFSET,
-    _TENSOR,
+    DST_OFFSET,
+    DTYPE,
+    FILE,
+    ITEM_SHAPE,
+    NAME,
+    NBYTES,
+    OFFSET,
+    SHAPE,
+    SLAB,
+    SLOT,
+    SLOT_DIMS,
+    SRC_OFFSET,
+    TENSOR,
     Location,
     Route,
     Rule,
     SlabSpec,
-    _linear,
-    _not_ints,
+    linear_index,
+    not_ints,
 )
 
 __all__ = ["Plan", "plan"]
@@ -172,7 +172,7 @@ def plan(
     # Routes, specs and their tuples are many small objects, none cyclic: the cyclic
     # collector walking them again and again took 35 % of planning 14,000 tensors and 40-60 %
     # of planning 50,000 (as when opening, see _format).
-    with _gc_paused():
+    with gc_paused():
         return _plan(checkpoint, rules, ignore, unmatched, tier_map, rank)
 
 
@@ -208,7 +208,7 @@ def _plan(
     for rule in rules:
         claim = rule.claim(checkpoint, MappingProxyType(pending))
         specs = tuple(claim.slabs)  # read twice below: a rule may have given an iterator
-        named = dict(zip(map(_NAME, specs), specs, strict=True))
+        named = dict(zip(map(NAME, specs), specs, strict=True))
         if len(named) != len(specs) or not slabs.keys().isdisjoint(named):
             seen = set(slabs)
             for spec in specs:
@@ -216,7 +216,7 @@ def _plan(
                     raise CoverageError(f"two rules define slab {spec.name!r}")
                 seen.add(spec.name)
         slabs.update(named)
-        placed = list(map(_TENSOR, claim.routes))
+        placed = list(map(TENSOR, claim.routes))
         if len(set(placed)) != len(placed):  # slices of one tensor, or a fault
             _check_slices(claim.routes, checkpoint, rule)
             placed = list(dict.fromkeys(placed))
@@ -256,9 +256,9 @@ def _plan(
     order = {f.path: i for i, f in enumerate(checkpoint.files)}
     keys = list(
         zip(
-            map(order.__getitem__, map(_FILE, routes)),
-            map(_SRC_OFFSET, routes),
-            map(_TENSOR, routes),
+            map(order.__getitem__, map(FILE, routes)),
+            map(SRC_OFFSET, routes),
+            map(TENSOR, routes),
             strict=True,
         )
     )
@@ -277,7 +277,7 @@ def _plan(
         extras=MappingProxyType(extras),
         # A tensor sliced into several routes is found at its first.
         _index=MappingProxyType(
-            dict(zip(map(_TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1), strict=True))
+            dict(zip(map(TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1), strict=True))
         ),
     )
 
@@ -338,62 +338,62 @@ def _valid(checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], routes: Sequen
 def _valid_columns(
     checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], routes: Sequence[Route]
 ) -> bool:
-    names = list(map(_SLAB, routes))
+    names = list(map(SLAB, routes))
     specs = list(map(slabs.get, names))
     if any(map(operator.is_, specs, itertools.repeat(None))):
         return False
     tensors = checkpoint.tensors
-    infos = list(map(tensors.__getitem__, map(_TENSOR, routes)))
-    if list(map(_DTYPE, infos)) != list(map(_DTYPE, specs)):
+    infos = list(map(tensors.__getitem__, map(TENSOR, routes)))
+    if list(map(DTYPE, infos)) != list(map(DTYPE, specs)):
         return False
-    route_shapes = list(map(_SHAPE, routes))
+    route_shapes = list(map(SHAPE, routes))
     whole = route_shapes.count(None) == len(route_shapes)  # no route carries a slice
     if whole:
-        shapes = list(map(_SHAPE, infos))
+        shapes = list(map(SHAPE, infos))
     else:
         shapes = [
             info.shape if shape is None else shape
             for shape, info in zip(route_shapes, infos, strict=True)
         ]
-    if shapes != list(map(_ITEM_SHAPE, specs)):
+    if shapes != list(map(ITEM_SHAPE, specs)):
         return False
     # Each route reads its own tensor's bytes: files compared by identity first (a rule
     # passes the tensor's own path on), offsets as a column for whole tensors.
-    if list(map(_FILE, routes)) != list(map(_FILE, infos)):
+    if list(map(FILE, routes)) != list(map(FILE, infos)):
         return False
     if whole:
-        if list(map(_SRC_OFFSET, routes)) != list(map(_OFFSET, infos)):
+        if list(map(SRC_OFFSET, routes)) != list(map(OFFSET, infos)):
             return False
     elif not all(map(_reads_its_tensor, routes, infos)):
         return False
     # Slot sizes and counts per distinct shape, not per slab (properties, computed per call).
     # From the specs, not the tensors' sizes: the loader writes a route's nbytes into its
     # slot, which must hold them whatever made the tensor's info.
-    kinds = list(zip(map(_ITEM_SHAPE, specs), map(_DTYPE, specs), strict=True))
+    kinds = list(zip(map(ITEM_SHAPE, specs), map(DTYPE, specs), strict=True))
     size = {k: math.prod(k[0]) * k[1].itemsize for k in set(kinds)}
-    if list(map(_NBYTES, routes)) != list(map(size.__getitem__, kinds)):
+    if list(map(NBYTES, routes)) != list(map(size.__getitem__, kinds)):
         return False
     # Each route's byte offset is its slot's, and its slot inside its slab; in slabs of one
     # slot each (a dense checkpoint's), that is slot () at byte 0.
-    slots = list(map(_SLOT, routes))
+    slots = list(map(SLOT, routes))
     # Only ints index a slot (and 1.0, True are equal to 1 as keys of the table below).
     if not set(map(type, itertools.chain.from_iterable(slots))) <= {int}:
         return False
-    offsets = list(map(_DST_OFFSET, routes))
-    slab_dims = list(map(_SLOT_DIMS, specs))
+    offsets = list(map(DST_OFFSET, routes))
+    slab_dims = list(map(SLOT_DIMS, specs))
     if slab_dims.count(()) == len(specs) and slots.count(()) == len(slots):
         if offsets.count(0) != len(offsets):
             return False
     else:
         # Per distinct (slot, dims) pair: an expert slab's slots recur in every layer.
         pairs = list(zip(slots, slab_dims, strict=True))
-        table = {pair: _linear(*pair) for pair in set(pairs)}
+        table = {pair: linear_index(*pair) for pair in set(pairs)}
         linear = list(map(table.__getitem__, pairs))
         if -1 in linear or offsets != list(map(operator.mul, linear, map(size.__getitem__, kinds))):
             return False
     # Exact coverage: as many routes into each slab as it has slots, and no two into one
     # slot (a slot outside the slab's dims would take the place of one left empty).
-    dims = list(map(_SLOT_DIMS, slabs.values()))
+    dims = list(map(SLOT_DIMS, slabs.values()))
     n_slots = {d: math.prod(d) for d in set(dims)}
     if set(n_slots.values()) <= {1}:
         # Slabs of one slot each (a dense checkpoint's): one route into each, that is as
@@ -476,7 +476,7 @@ def _validate(
         except PlanError:
             raise CoverageError(
                 f"lands in slot {route.slot}, outside slab {route.slab!r} of slots "
-                f"{spec.slot_dims}{_not_ints(route.slot)}",
+                f"{spec.slot_dims}{not_ints(route.slot)}",
                 file=info.file,
                 tensor=info.name,
                 slab=route.slab,

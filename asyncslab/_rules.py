@@ -16,12 +16,12 @@ import torch
 from ._errors import CoverageError, DtypeMismatchError, PlanError
 from ._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ._vocab import (
-    _DTYPE,
-    _FILE,
-    _NAME,
-    _NBYTES,
-    _OFFSET,
-    _SHAPE,
+    DTYPE,
+    FILE,
+    NAME,
+    NBYTES,
+    OFFSET,
+    SHAPE,
     Claim,
     Route,
     Rule,
@@ -69,7 +69,7 @@ class Dense:
         # (see frozen_columns), not a tensor at a time.
         names = list(filter(re.compile(self.pattern).fullmatch, pending))
         infos = list(map(pending.__getitem__, names))
-        dtypes = list(map(_DTYPE, infos))
+        dtypes = list(map(DTYPE, infos))
         if self.dtypes:
             required = [(re.compile(p), dt) for p, dt in self.dtypes.items()]
             dtypes = [
@@ -81,7 +81,7 @@ class Dense:
         slabs = frozen_columns(
             SlabSpec,
             n,
-            {"name": names, "unit": units, "dtype": dtypes, "item_shape": list(map(_SHAPE, infos))},
+            {"name": names, "unit": units, "dtype": dtypes, "item_shape": list(map(SHAPE, infos))},
             {"slot_dims": (), "labels": _DENSE},
         )
         routes = frozen_columns(
@@ -89,9 +89,9 @@ class Dense:
             n,
             {
                 "tensor": names,
-                "file": list(map(_FILE, infos)),
-                "src_offset": list(map(_OFFSET, infos)),
-                "nbytes": list(map(_NBYTES, infos)),
+                "file": list(map(FILE, infos)),
+                "src_offset": list(map(OFFSET, infos)),
+                "nbytes": list(map(NBYTES, infos)),
                 "slab": names,
                 "unit": units,
             },
@@ -162,10 +162,10 @@ class Stack:
             spec.slot_offset((min(indices),))  # refuses a negative index, naming the slot
             step = spec.slot_nbytes
             infos = [info for _, info in items]
-            columns["tensor"] += map(_NAME, infos)
-            columns["file"] += map(_FILE, infos)
-            columns["src_offset"] += map(_OFFSET, infos)
-            columns["nbytes"] += map(_NBYTES, infos)
+            columns["tensor"] += map(NAME, infos)
+            columns["file"] += map(FILE, infos)
+            columns["src_offset"] += map(OFFSET, infos)
+            columns["nbytes"] += map(NBYTES, infos)
             columns["slab"] += itertools.repeat(key, len(items))
             columns["slot"] += [(i,) for i in indices]
             columns["dst_offset"] += [i * step for i in indices]

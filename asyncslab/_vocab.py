@@ -23,19 +23,19 @@ from ._format import Checkpoint, TensorInfo
 
 # Column getters, shared by the planner and the rules: a plan of 300,000 routes is checked
 # and built a column at a time (map over attrgetters), not a route at a time.
-_TENSOR = operator.attrgetter("tensor")
-_FILE = operator.attrgetter("file")
-_SRC_OFFSET = operator.attrgetter("src_offset")
-_SLAB = operator.attrgetter("slab")
-_SLOT = operator.attrgetter("slot")
-_DST_OFFSET = operator.attrgetter("dst_offset")
-_SHAPE = operator.attrgetter("shape")
-_NBYTES = operator.attrgetter("nbytes")
-_DTYPE = operator.attrgetter("dtype")
-_ITEM_SHAPE = operator.attrgetter("item_shape")
-_SLOT_DIMS = operator.attrgetter("slot_dims")
-_NAME = operator.attrgetter("name")
-_OFFSET = operator.attrgetter("offset")
+TENSOR = operator.attrgetter("tensor")
+FILE = operator.attrgetter("file")
+SRC_OFFSET = operator.attrgetter("src_offset")
+SLAB = operator.attrgetter("slab")
+SLOT = operator.attrgetter("slot")
+DST_OFFSET = operator.attrgetter("dst_offset")
+SHAPE = operator.attrgetter("shape")
+NBYTES = operator.attrgetter("nbytes")
+DTYPE = operator.attrgetter("dtype")
+ITEM_SHAPE = operator.attrgetter("item_shape")
+SLOT_DIMS = operator.attrgetter("slot_dims")
+NAME = operator.attrgetter("name")
+OFFSET = operator.attrgetter("offset")
 
 __all__ = [
     "SlabSpec",
@@ -55,7 +55,7 @@ __all__ = [
 class SlabSpec:
     """One preallocated backing: ``shape == slot_dims + item_shape``.
 
-    Slots are the leading ``slot_dims``; slot ``s`` starts ``linear(s) * slot_nbytes`` bytes
+    Slots are the leading ``slot_dims``; slot ``s`` starts ``linear_index(s) * slot_nbytes`` bytes
     into the backing, so every slot is one contiguous byte range. ``labels`` are for
     humans and summaries (layer, group, projection, suffix); nothing routes by them.
     """
@@ -85,19 +85,19 @@ class SlabSpec:
 
     def slot_offset(self, slot: tuple[int, ...]) -> int:
         """Byte offset of ``slot`` within the backing."""
-        linear = _linear(slot, self.slot_dims)
+        linear = linear_index(slot, self.slot_dims)
         if linear < 0:
-            hint = _not_ints(slot)
+            hint = not_ints(slot)
             raise PlanError(f"slot {slot} is outside slab {self.name!r} {self.slot_dims}{hint}")
         return linear * self.slot_nbytes if linear else 0
 
 
-def _not_ints(slot: tuple[int, ...]) -> str:
+def not_ints(slot: tuple[int, ...]) -> str:
     """What to add to a message about ``slot`` when its indices are not all ints."""
     return " (a slot is a tuple of ints)" if any(type(i) is not int for i in slot) else ""
 
 
-def _linear(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
+def linear_index(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
     """The row-major index of ``slot`` among ``dims``, or -1 if it lies outside them (or
     is no slot: an index ``1.5`` passes ``0 <= 1.5 < 2`` and made an offset between
     slots, or past the slab)."""

@@ -4,12 +4,12 @@ the real ``safetensors`` library (``write_synthetic(dir, SyntheticSpec(...))``, 
 what ``safetensors`` reads, byte for byte. Not imported by ``import asyncslab``.
 """
 
-from ._cli import VerifyResult as VerifyResult
-from ._cli import verify_slabs as verify_slabs
 from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import spec_for_size as spec_for_size
 from ._synthetic import write_synthetic as write_synthetic
+from ._verify import VerifyResult as VerifyResult
+from ._verify import verify_slabs as verify_slabs
 
 __all__ = [
     "SyntheticCheckpoint",

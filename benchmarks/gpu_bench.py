@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncslab._bench import read_all
+from asyncslab._bench.runner import read_all
 from asyncslab._cli import parse_size
 
 MiB = 1 << 20
@@ -144,7 +144,7 @@ def _log(text: str) -> None:
 def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]:
     """The bench's own generator (reused when already there), after the bench's own
     disk-space check."""
-    from asyncslab._bench import _check_space, _generate
+    from asyncslab._bench.runner import _check_space, _generate
 
     problem = _check_space(root, int(size * 1.05))
     if problem:
@@ -177,7 +177,7 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
     ring's buffer size, read by its own ``read_staged``) by ``threads`` threads, each into a
     pinned buffer of its own. What page cache and host memory give a staged load, whatever
     the GPU can take."""
-    from asyncslab._bench_worker import run_in_threads
+    from asyncslab._bench.worker import run_in_threads
     from asyncslab._copy import read_staged
     from asyncslab._schedule import schedule
 
@@ -224,7 +224,7 @@ def pipeline_bound(
     pinned buffers of its own. At depth 1 a thread waits for its copy before its next read,
     as asyncslab's threads do; at depth 2 it reads into its other buffer meanwhile and waits
     for a copy only before reusing that buffer. Timed until the last copy completed."""
-    from asyncslab._bench_worker import run_in_threads
+    from asyncslab._bench.worker import run_in_threads
     from asyncslab._copy import _copy_pieces, read_staged
     from asyncslab._schedule import schedule
 
@@ -356,19 +356,13 @@ def sample_routes(plan: Any, k: int) -> list[Any]:
 
 
 def verify(plan: Any, get: Any, k: int) -> int:
-    import torch
-    from safetensors import safe_open
+    """``k`` sampled routes' bytes (``get(route)``) against what safetensors reads."""
+    from asyncslab.testing import verify_slabs
 
-    ok = 0
-    for route in sample_routes(plan, k):
-        with safe_open(str(route.file), framework="pt") as f:
-            expected = f.get_tensor(route.tensor)
-        got = get(route).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        want = expected.contiguous().reshape(-1).view(torch.uint8)
-        if got.shape != want.shape or not torch.equal(got, want):
-            raise AssertionError(f"{route.tensor}: device bytes differ from safetensors")
-        ok += 1
-    return ok
+    result = verify_slabs(plan, get, routes=sample_routes(plan, k))
+    if not result.ok:
+        raise AssertionError(f"device bytes differ from safetensors: {result.describe()}")
+    return result.tensors
 
 
 def empty_pinned_cache(torch: Any) -> bool:

@@ -99,21 +99,12 @@ def evict(checkpoint: Checkpoint) -> None:
 
 def verify(slabs: SlabSet, checkpoint: Checkpoint) -> int:
     """Every slot equals the bytes safetensors reads for it; returns the number checked."""
-    from safetensors import safe_open
+    from asyncslab.testing import verify_slabs
 
-    def raw(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-    handles = {}
-    for route in slabs.plan.routes:
-        info = checkpoint.tensors[route.tensor]
-        if info.file not in handles:
-            handles[info.file] = safe_open(info.file, framework="pt")
-        start = route.src_offset - info.offset
-        expected = raw(handles[info.file].get_tensor(route.tensor))[start : start + route.nbytes]
-        if not torch.equal(raw(slabs.view(route.tensor)), expected):
-            raise SystemExit(f"rank {dist.get_rank()}: {route.tensor} differs from the file")
-    return len(slabs.plan.routes)
+    result = verify_slabs(slabs.plan, slabs)
+    if not result.ok:
+        raise SystemExit(f"rank {dist.get_rank()}: {result.describe()}")
+    return result.tensors
 
 
 def _mib(n: int) -> str:

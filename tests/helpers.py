@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import asyncslab
+from asyncslab.testing import verify_slabs
 
 
 @contextlib.contextmanager
@@ -37,23 +37,13 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_bit_identical(slabs: asyncslab.SlabSet, checkpoint: asyncslab.Checkpoint) -> int:
-    """Every routed tensor's slot equals what the safetensors library reads; returns count."""
-    plan = slabs.plan
-    routed = {r.tensor for r in plan.routes}
-    count = 0
-    for shard in checkpoint.files:
-        with safe_open(shard.path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                if name not in routed:
-                    continue
-                expected = f.get_tensor(name)
-                got = slabs.view(name)
-                assert got.dtype == expected.dtype, name
-                assert got.shape == expected.shape, name
-                assert torch.equal(raw_bytes(got), raw_bytes(expected)), name
-                count += 1
-    assert count == len(routed)
-    return count
+    """Every tensor of the last load's plan equals, in its slot, what the safetensors library
+    reads from ``checkpoint``; returns the count."""
+    run_plan = slabs._run_plan  # the last load's: its files, its tensors
+    assert [f.path for f in run_plan.files] == [f.path for f in checkpoint.files]
+    result = verify_slabs(run_plan, slabs)
+    assert result.ok, result.describe()
+    return result.tensors
 
 
 def open_fds() -> int:

@@ -21,8 +21,8 @@ from safetensors import safe_open
 
 import asyncslab
 import asyncslab.testing
-from asyncslab import _bench
-from asyncslab._bench import CONTENDERS, write_many_small
+from asyncslab._bench import runner as _bench
+from asyncslab._bench.runner import CONTENDERS, write_many_small
 from asyncslab._schedule import windows
 from asyncslab.testing import SyntheticCheckpoint
 
@@ -424,7 +424,7 @@ def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() ->
 
 
 def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncslab import _bench_worker
+    from asyncslab._bench import worker as _bench_worker
 
     monkeypatch.setenv("FASTSAFETENSORS_ODIRECT", "1")
     monkeypatch.delenv("RUNAI_STREAMER_CONCURRENCY", raising=False)
@@ -485,7 +485,7 @@ def test_plot_refuses_a_report_with_nothing_measured(tmp_path: Path) -> None:
 
 
 def test_run_in_threads_takes_each_job_once_and_raises_the_first_error() -> None:
-    from asyncslab._bench_worker import run_in_threads
+    from asyncslab._bench.worker import run_in_threads
 
     seen: list[tuple[int, int]] = []
     assert run_in_threads(range(100), 4, lambda t, job: seen.append((t, job))) >= 0
@@ -539,7 +539,7 @@ def test_a_contender_that_skips_a_read_is_an_error_not_a_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # With 8 sampled tensors, a bound dropping one of its reads passed 14 times in 18.
-    from asyncslab import _bench_worker
+    from asyncslab._bench import worker as _bench_worker
 
     real = _bench_worker.run_in_threads
 
@@ -578,7 +578,7 @@ def test_a_record_verifying_fewer_tensors_than_asked_loses_its_time() -> None:
 
 
 def test_lag_by_time_weighs_a_long_stall_by_its_length() -> None:
-    from asyncslab._bench_worker import lag_summary
+    from asyncslab._bench.worker import lag_summary
 
     # 1,000 ticks on time and one 35 ms stall: 0.1 % of ticks, 3.4 % of the time.
     lag = lag_summary([0.0] * 1000 + [0.035])

@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import asyncslab
-from asyncslab import _cli
+from asyncslab import _cli, _verify
 from asyncslab._cli import main, parse_size
 from asyncslab._progress import ProgressBar, format_bytes, format_duration, format_table
+from asyncslab.rules import Route
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
 # --------------------------------------------------------------------------- fixtures
@@ -299,16 +300,16 @@ def test_load_verify_mismatch_exits_1_naming_the_tensor(
 ) -> None:
     plan = asyncslab.plan(asyncslab.Checkpoint.open(checkpoint.root))
     victim = next(r.tensor for r in plan.routes if r.nbytes > 16)
-    real = _cli._read_reference
+    real = _verify._read_reference
 
-    def tampered(file: Path, names: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in real(file, names):
-            if name == victim:
+    def tampered(file: Path, routes: Sequence[Route]) -> Iterator[tuple[Route, torch.Tensor]]:
+        for route, tensor in real(file, routes):
+            if route.tensor == victim:
                 tensor = tensor.clone()
                 tensor.reshape(-1).view(torch.uint8)[3] ^= 0xFF
-            yield name, tensor
+            yield route, tensor
 
-    monkeypatch.setattr(_cli, "_read_reference", tampered)
+    monkeypatch.setattr(_verify, "_read_reference", tampered)
     report = tmp_path / "stats.json"
     args = ["load", str(checkpoint.root), "--verify", "--no-progress", "--json", str(report)]
     assert main(args) == 1
@@ -626,7 +627,7 @@ def test_verify_runs_off_the_event_loop_and_stops_when_asked(
         slabs = await asyncslab.load(ckpt, plan)
         stop = threading.Event()
         stop.set()
-        with pytest.raises(_cli._Stopped):
+        with pytest.raises(_verify.Stopped):
             real(plan, slabs, stop)
         await slabs.aclose()
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
-from asyncslab._format import _gc_paused
+from asyncslab._format import gc_paused
 from asyncslab.testing import SyntheticCheckpoint
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
@@ -97,7 +97,7 @@ async def test_cuda_dropped_slabset_frees_device_memory_without_the_collector(
     gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
-    with _gc_paused():  # the collector off: only reference counts free
+    with gc_paused():  # the collector off: only reference counts free
         options = LoadOptions(transfer=transfer)  # type: ignore[arg-type]
         slabs = await load(ckpt, p, device="cuda", options=options)
         assert torch.cuda.memory_allocated() >= base + p.nbytes

@@ -32,7 +32,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import raw_bytes
-from safetensors import safe_open
 
 import asyncslab
 import asyncslab.testing
@@ -180,17 +179,7 @@ def _child(
 def _verify(slabs: asyncslab.SlabSet, ckpt: Checkpoint) -> dict[str, Any]:
     """Compare every routed slot with the bytes safetensors reads; digest all slabs."""
     plan = slabs.plan
-    mismatched = []
-    handles: dict[Path, Any] = {}
-    for route in plan.routes:
-        info = ckpt.tensors[route.tensor]
-        if info.file not in handles:
-            handles[info.file] = safe_open(info.file, framework="pt")
-        full = raw_bytes(handles[info.file].get_tensor(route.tensor))
-        start = route.src_offset - info.offset
-        expected = full[start : start + route.nbytes]
-        if not torch.equal(raw_bytes(slabs.view(route.tensor)), expected):
-            mismatched.append(route.tensor)
+    mismatched = list(asyncslab.testing.verify_slabs(plan, slabs).mismatches)
     h = hashlib.sha256()
     for name in sorted(plan.slabs):
         h.update(raw_bytes(slabs.slab(name)).numpy().tobytes())

@@ -101,14 +101,19 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
 
     root = Path(asyncslab.__file__).parent
     graph: dict[str, set[str]] = {}
-    for path in root.glob("*.py"):
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        package = parts[:-1]  # a module's package, relative to asyncslab's
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        name = ".".join(parts) or "__init__"
         tree = ast.parse(path.read_text())
-        graph[path.stem] = {
-            node.module
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
-        }
-    graph.pop("__init__")  # the face imports everything; nothing imports it
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1 and node.module:
+                base = package[: len(package) - (node.level - 1)]
+                imported.add(".".join([*base, node.module]))
+        graph[name] = imported
     state: dict[str, int] = {}
 
     def visit(module: str, path: list[str]) -> None:
@@ -144,8 +149,15 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
     }  # fmt: skip
     root = Path(asyncslab.__file__).parent
     reaching: list[str] = []
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1 and node.module:
+                reaching += [
+                    f"{path.name}:{node.lineno}: import {alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
         own: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab import _copy as copy_module
-from asyncslab._format import _gc_paused
+from asyncslab._format import gc_paused
 from asyncslab._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 
@@ -491,7 +491,7 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
 
         monkeypatch.setattr(copy_module.CpuCopier, "copy", slow_copy)
     gc.collect()
-    with _gc_paused():  # the collector off: only reference counts free
+    with gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(p)
         backing = weakref.ref(slabs._backing)
         if how == "start":
@@ -575,7 +575,7 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
     ckpt = Checkpoint.open(small_checkpoint.root)
     failing_first_read(monkeypatch, others_take=0.02)
     gc.collect()
-    with _gc_paused():  # the collector off: only reference counts free
+    with gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(plan(ckpt))
         backing = weakref.ref(slabs._backing)
         task = slabs.start(ckpt, options=SMALL)

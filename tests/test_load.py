@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
 from asyncslab import _copy as copy_module
-from asyncslab._format import _gc_paused
+from asyncslab._format import gc_paused
 from asyncslab._read import Scatter, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
@@ -445,7 +445,7 @@ async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = replace(SMALL, transfer=transfer)  # type: ignore[arg-type]
-    with _gc_paused():  # the collector off: only reference counts free
+    with gc_paused():  # the collector off: only reference counts free
         loaded = await load(ckpt, p, options=options)
         started = SlabSet(p)
         task = started.start(ckpt, options=options)

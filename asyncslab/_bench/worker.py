@@ -1,4 +1,4 @@
-"""One benchmark contender, run in a process of its own (``python -m asyncslab._bench_worker``).
+"""One benchmark contender, run in a process of its own (``python -m asyncslab._bench.worker``).
 
 :mod:`asyncslab._bench` starts this module once per contender and run, so that resident
 memory, the allocator's free lists and the first touch of fresh pages belong to that
@@ -151,37 +151,15 @@ def pretouched_passes(task: dict[str, Any]) -> int:
     return max(1, int(task.get("repeats", 1))) if task["mode"] == "warm-pretouched" else 1
 
 
-def sample_routes(plan: Any, k: int) -> list[Any]:
-    """``k`` routes evenly spread over the plan; every route for ``k`` < 0."""
-    routes = plan.routes
-    if k < 0:
-        return list(routes)
-    if not routes or k == 0:
-        return []
-    step = max(1, len(routes) // k)
-    return [routes[i] for i in range(0, len(routes), step)][:k]
-
-
 def verify(plan: Any, get_slot: Callable[[Any], torch.Tensor], k: int) -> int:
     """Compare ``k`` sampled slots (every slot for ``k`` < 0) with what safetensors reads;
     returns how many matched (a mismatch raises)."""
-    from safetensors import safe_open
+    from asyncslab._verify import sample_routes, verify_slabs
 
-    by_file: dict[str, list[Any]] = defaultdict(list)
-    for route in sample_routes(plan, k):
-        by_file[str(route.file)].append(route)
-    ok = 0
-    for path, routes in by_file.items():
-        with safe_open(path, framework="pt") as f:  # zero-copy views of a mapped file
-            for route in routes:
-                expected = f.get_tensor(route.tensor)
-                got = get_slot(route)
-                a = got.contiguous().reshape(-1).view(torch.uint8)
-                b = expected.contiguous().reshape(-1).view(torch.uint8)
-                if a.shape != b.shape or not torch.equal(a, b):
-                    raise AssertionError(f"{route.tensor}: bytes differ from safetensors")
-                ok += 1
-    return ok
+    result = verify_slabs(plan, get_slot, routes=sample_routes(plan, k))
+    if not result.ok:
+        raise AssertionError(f"bytes differ from safetensors: {result.describe()}")
+    return result.tensors
 
 
 def slot_of(slabs: dict[str, torch.Tensor], route: Any) -> torch.Tensor:
@@ -461,10 +439,10 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     ``preadv`` calls into one preallocated buffer (slab by slab at asyncslab's offsets) by
     ``threads`` threads: what storage, page cache and memory can do, without asyncio or
     bookkeeping."""
-    from ._copy import direct_scatters
-    from ._loader import slab_layout
-    from ._read import pread_scatter
-    from ._schedule import schedule
+    from .._copy import direct_scatters
+    from .._loader import slab_layout
+    from .._read import pread_scatter
+    from .._schedule import schedule
 
     options = task.get("options", {})
     read_size = options.get("read_size", 16 << 20)
@@ -655,7 +633,7 @@ def run_task(task: dict[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m asyncslab._bench_worker TASK_JSON", file=sys.stderr)
+        print("usage: python -m asyncslab._bench.worker TASK_JSON", file=sys.stderr)
         return 2
     task = json.loads(args[0])
     try:

@@ -1,7 +1,7 @@
 """``asyncslab bench``: asyncslab against the old paths, the I/O bound and the memory floor.
 
 Every contender loads the same bytes (all routed bytes of ``asyncslab.plan(checkpoint)``)
-in a fresh process of its own (:mod:`asyncslab._bench_worker`), so resident memory and the
+in a fresh process of its own (:mod:`asyncslab._bench.worker`), so resident memory and the
 first touch of fresh pages are per contender. Contenders are interleaved per run (run 1:
 A B C ..., run 2: C B A ..., bound-N next to asyncslab) so that noise and drift on a shared
 machine hit all of them alike, and ratios are *paired*: each contender's time over
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._bench_worker import PEERS, RESULT_MARK, lag_summary
-from ._progress import size_arg
+from .._progress import size_arg
+from .worker import PEERS, RESULT_MARK, lag_summary
 
 __all__ = [
     "ManySmall",
@@ -125,7 +125,7 @@ def _human(n: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` options (used by ``asyncslab bench`` and ``python -m asyncslab._bench``)."""
-    from ._loader import LoadOptions
+    from .._loader import LoadOptions
 
     defaults = LoadOptions()
     parser.add_argument(
@@ -316,7 +316,7 @@ def write_many_small(
 def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, dict[str, Any]]:
     """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``, with
     ``workers`` processes (default: one per two CPUs, at most one per shard)."""
-    from ._synthetic import spec_for_size, write_synthetic
+    from .._synthetic import spec_for_size, write_synthetic
 
     spec = spec_for_size(size)
     target = root / f"asyncslab-bench-{size}"
@@ -344,7 +344,7 @@ def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, 
 
 
 def _shard_files(checkpoint: Path) -> list[Path]:
-    from ._format import Checkpoint
+    from .._format import Checkpoint
 
     return [Path(f.path) for f in Checkpoint.open(checkpoint).files]
 
@@ -379,12 +379,12 @@ def _drop_cache(files: Iterable[Path]) -> float | None:
 
 def _cached_share(files: Sequence[Path]) -> float | None:
     """Share of the files' pages in the page cache (``mincore`` over a mapping of each)."""
-    from ._mapped import PAGE, _libc_function, _libc_mmap
+    from .._mapped import PAGE, libc_function, libc_mmap
 
-    mincore = _libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
+    mincore = libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
     if mincore is None:
         return None
-    mapper = _libc_mmap()
+    mapper = libc_mmap()
     cached = pages = 0
     for path in files:
         size = path.stat().st_size
@@ -516,7 +516,7 @@ class _Runner:
             "repeats": self.args.repeats,
         }
         if self.args.in_process:
-            from ._bench_worker import run_task
+            from .worker import run_task
 
             try:
                 return _checked(contender, run_task(task), self.verify)
@@ -524,7 +524,7 @@ class _Runner:
                 return {"error": f"{type(err).__name__}: {err}"}
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "asyncslab._bench_worker", json.dumps(task)],
+                [sys.executable, "-m", "asyncslab._bench.worker", json.dumps(task)],
                 capture_output=True,
                 text=True,
                 env=self.env,
@@ -947,8 +947,8 @@ def _installed(contender: str) -> bool:
 def _bench_sized(
     args: argparse.Namespace, checkpoint: Path, report: dict[str, Any]
 ) -> tuple[list[str], int]:
-    from ._format import Checkpoint
-    from ._plan import plan as make_plan
+    from .._format import Checkpoint
+    from .._plan import plan as make_plan
 
     t = time.perf_counter()
     ckpt = Checkpoint.open(checkpoint)
