@@ -774,81 +774,11 @@ class _Session:
         rank, nbuf = self.rank, 2
         pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
         chunks: list[_Chunk] = []
-        mine: list[int] = []
         size = 0
         host: list[torch.Tensor] = []
         comm = host
         routes: _RouteIndex | None = None
-
-        cond = threading.Condition()
-        # "left": the protocol stopped waiting for the reader (this rank aborted while one of
-        # its reads was in flight); the reader then closes the files when it returns.
-        state = {"done": 0, "stop": False, "left": False, "exited": False, "swapped": False}
-        filled: dict[int, BaseException | None] = {}
-        fds = dict(self.fds)
-
-        def reader() -> None:
-            # Its own references: a read the protocol left behind may still write into these
-            # buffers and read these files whenever it returns.
-            buffers = list(host)
-            addresses = [t.data_ptr() for t in buffers]
-            try:
-                for k in mine:
-                    with cond:
-                        while state["done"] < k - nbuf + 1 and not state["stop"]:
-                            cond.wait()
-                        if state["stop"]:
-                            return
-                    result: BaseException | None = None
-                    if not self._failing():
-                        try:
-                            address = addresses[k % nbuf]
-                            for seg in chunks[k].segments:
-                                path = str(self.plan.files[seg.file].path)
-                                pread_scatter(
-                                    fds[seg.file],
-                                    scatter([(address + seg.at, seg.nbytes)]),
-                                    seg.offset,
-                                    path=path,
-                                )
-                                self.reads += 1
-                                self.bytes_read += seg.nbytes
-                        except BaseException as err:
-                            result = err
-                    with cond:
-                        filled[k] = result
-                        cond.notify_all()
-            finally:
-                with cond:
-                    state["exited"] = True
-                    left = state["left"]
-                if left:
-                    for fd in fds.values():
-                        os.close(fd)
-
-        def take(k: int) -> BaseException | None:
-            """The outcome of this rank's read of chunk ``k``: its error, or ``None`` (also
-            when this rank aborted before the read ended: a stuck read must not keep it from
-            the collectives the others wait in)."""
-            with cond:
-                while k not in filled and self.abort_reason is None:
-                    cond.wait(_POLL_S)
-                if k in filled:
-                    return filled.pop(k)
-                state["stop"] = True  # the reader starts no further chunk
-                cond.notify_all()
-                if not state["swapped"]:
-                    # The read left behind (of chunk k: the reader reads in order) may land
-                    # in its buffer whenever it returns; a broadcast received there
-                    # meanwhile would read its status byte torn. The remaining chunks pass
-                    # through the other buffer, free since chunk k - 1 was copied out
-                    # (synchronously), instead of fresh ones: an allocation that failed
-                    # here would leave this rank out of the collectives its peers wait in.
-                    state["swapped"] = True
-                    host[:] = [host[(k + 1) % nbuf]] * nbuf
-            return None
-
-        thread = threading.Thread(target=reader, name="asyncslab-dist-read", daemon=True)
+        reader: _ChunkReader | None = None
         setup_error: Exception | None = None
         try:
             try:
@@ -860,7 +790,6 @@ class _Session:
                     chunk_bytes=max(1, self.chunk_bytes - 1),
                     gap=self.options.coalesce_gap,
                 )
-                mine = [k for k, c in enumerate(chunks) if c.owner == rank]
                 relevant = [c for c in chunks if c.shared or c.owner == rank]
                 size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
                 try:
@@ -884,7 +813,8 @@ class _Session:
                 assert self.load is not None
                 self.load.record_staging(nbuf * (held + (size if self.comm_cuda else 0)))
                 routes = _RouteIndex(self.plan, self.load.sink)
-                thread.start()
+                reader = _ChunkReader(self, chunks, host, nbuf)
+                reader.start()
             except Exception as err:
                 setup_error = self.local_error = err
             # A rank whose set-up failed cannot take part in the chunks (it may lack the
@@ -894,7 +824,7 @@ class _Session:
             error = None if setup_error is None else _describe(setup_error)
             setups = self._gather({"rank": rank, "error": error}, "set-up")
             failed: dict[int, str] = {s["rank"]: s["error"] for s in setups if s["error"]}
-            if failed or routes is None:  # routes is None only where the set-up failed
+            if failed or routes is None or reader is None:  # only where the set-up failed
                 if rank not in failed:
                     self.stopped_by = min(failed)
                 return failed
@@ -907,28 +837,16 @@ class _Session:
                 self._loop_gone()
             for k, chunk in enumerate(chunks):
                 if chunk.shared or chunk.owner == rank:
-                    read = take(k) if chunk.owner == rank else None
+                    read = reader.take(k) if chunk.owner == rank else None
                     if self._chunk(k, chunk, read, host[k % nbuf], comm[k % nbuf], routes):
                         break
-                with cond:
-                    state["done"] = k + 1
-                    cond.notify_all()
+                reader.advance(k)
             return {}
         finally:
-            with cond:
-                state["stop"] = True
-                cond.notify_all()
-            while thread.is_alive():
-                thread.join(_POLL_S)
-                if self.abort_reason is None:
-                    continue
-                with cond:
-                    if not state["exited"]:
-                        # Aborted with a read still in flight (it may never return): leave
-                        # the reader its files and buffers and go on to the agreement.
-                        state["left"] = True
-                        self.fds = {}
-                        break
+            if reader is not None:
+                # Aborted with a read still in flight (it may never return), the reader
+                # keeps its files and buffers and this goes on to the agreement.
+                reader.finish()
             try:
                 self._in_loop(self._settle_share)
             except _Abandoned:
@@ -1055,6 +973,122 @@ class _Session:
             )
         else:
             load.finish("complete")
+
+
+class _ChunkReader:
+    """This rank's reads of the chunks it owns, in chunk order on a thread of its own, at
+    most ``depth`` chunks ahead of the protocol: chunk ``k`` goes into ``host[k % depth]``,
+    free once the protocol has processed chunk ``k - depth`` (:meth:`advance`)."""
+
+    def __init__(
+        self,
+        session: _Session,
+        chunks: Sequence[_Chunk],
+        host: list[torch.Tensor],
+        depth: int,
+    ) -> None:
+        self._session = session
+        self._chunks = chunks
+        self._mine = [k for k, c in enumerate(chunks) if c.owner == session.rank]
+        self._host = host
+        self._depth = depth
+        self._fds = dict(session.fds)
+        self._cond = threading.Condition()
+        self._done = 0  # chunks the protocol has processed
+        self._stop = False  # no further read starts
+        # The protocol stopped waiting for the reader (this rank aborted while one of its
+        # reads was in flight); the reader then closes the files when it returns.
+        self._left = False
+        self._exited = False
+        self._swapped = False
+        self._filled: dict[int, BaseException | None] = {}
+        self._thread = threading.Thread(target=self._run, name="asyncslab-dist-read", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        # Its own references: a read the protocol left behind may still write into these
+        # buffers and read these files whenever it returns.
+        buffers = list(self._host)
+        addresses = [t.data_ptr() for t in buffers]
+        session, fds, cond = self._session, self._fds, self._cond
+        try:
+            for k in self._mine:
+                with cond:
+                    while self._done < k - self._depth + 1 and not self._stop:
+                        cond.wait()
+                    if self._stop:
+                        return
+                result: BaseException | None = None
+                if not session._failing():
+                    try:
+                        address = addresses[k % self._depth]
+                        for seg in self._chunks[k].segments:
+                            pread_scatter(
+                                fds[seg.file],
+                                scatter([(address + seg.at, seg.nbytes)]),
+                                seg.offset,
+                                path=str(session.plan.files[seg.file].path),
+                            )
+                            session.reads += 1
+                            session.bytes_read += seg.nbytes
+                    except BaseException as err:
+                        result = err
+                with cond:
+                    self._filled[k] = result
+                    cond.notify_all()
+        finally:
+            with cond:
+                self._exited = True
+                left = self._left
+            if left:
+                for fd in fds.values():
+                    os.close(fd)
+
+    def take(self, k: int) -> BaseException | None:
+        """The outcome of this rank's read of chunk ``k``: its error, or ``None`` (also
+        when this rank aborted before the read ended: a stuck read must not keep it from
+        the collectives the others wait in)."""
+        with self._cond:
+            while k not in self._filled and self._session.abort_reason is None:
+                self._cond.wait(_POLL_S)
+            if k in self._filled:
+                return self._filled.pop(k)
+            self._stop = True  # the reader starts no further chunk
+            self._cond.notify_all()
+            if not self._swapped:
+                # The read left behind (of chunk k: the reader reads in order) may land
+                # in its buffer whenever it returns; a broadcast received there
+                # meanwhile would read its status byte torn. The remaining chunks pass
+                # through the other buffer, free since chunk k - 1 was copied out
+                # (synchronously), instead of fresh ones: an allocation that failed
+                # here would leave this rank out of the collectives its peers wait in.
+                self._swapped = True
+                self._host[:] = [self._host[(k + 1) % self._depth]] * self._depth
+        return None
+
+    def advance(self, k: int) -> None:
+        """The protocol is done with chunk ``k`` (its buffer is free)."""
+        with self._cond:
+            self._done = k + 1
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """Start no further read and wait for the thread; if this rank aborted with a read
+        still in flight (it may never return), leave the reader its files and buffers."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        while self._thread.is_alive():
+            self._thread.join(_POLL_S)
+            if self._session.abort_reason is None:
+                continue
+            with self._cond:
+                if not self._exited:
+                    self._left = True
+                    self._session.fds = {}
+                    break
 
 
 class _RouteIndex:
