@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
 
 
 # --- the worker --------------------------------------------------------------------------
@@ -105,7 +104,7 @@ class Tally:
 def _header_splice(files: dict[str, bytes], rng: random.Random, payload: bytes) -> str:
     import struct
 
-    import test_fuzz as fz
+    from tests import test_fuzz as fz
 
     name = rng.choice(list(fz.SHARDS))
     blob = files[name]
@@ -164,7 +163,7 @@ class FdpRandom(random.Random):
 def worker(args: argparse.Namespace) -> None:
     limit = args.memory_gb << 30
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    sys.path.insert(0, str(TESTS))
+    sys.path.insert(0, str(ROOT))  # the tests package
     engine = args.engine
     tally = Tally(Path(args.tally), engine)
     if engine == "atheris":
@@ -172,7 +171,7 @@ def worker(args: argparse.Namespace) -> None:
 
         with atheris.instrument_imports(include=["asyncslab"]):
             import asyncslab  # noqa: F401
-        import test_fuzz as fz
+        from tests import test_fuzz as fz
 
         kinds = [*sorted(fz.MUTATORS), "header_splice"]
         fz.base_files()
@@ -210,7 +209,7 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             tally.dump()
     else:
-        import test_fuzz as fz
+        from tests import test_fuzz as fz
 
         kinds = [*sorted(fz.MUTATORS), "header_splice"]
         fz.base_files()

@@ -5,7 +5,7 @@ paced at 0.2 ms so a load takes ~10 ms and has ~60 reads), cancels it at a seede
 point — before its task ran, during thread start-up, after the k-th tensor landed, after a
 random delay, twice (the second cancel landing during the drain), through ``aclose()``, or
 through ``asyncio.timeout`` — then checks that no read is still in a thread, and runs a full
-load that must be bit-exact. The cancel modes are those of ``tests/test_faults.py``.
+load that must be bit-exact. The cancel modes are those of ``tests/helpers.py``.
 
 Measured before (after a warm-up of ``--warmup`` cycles, so one-time costs such as malloc
 arenas of the first I/O threads are paid) and after: live threads (all, and
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the tests package, for its fault helpers
 
 import asyncslab  # noqa: E402
 import asyncslab.testing  # noqa: E402
@@ -122,11 +122,12 @@ async def settle_threads(limit: float = 5.0) -> None:
 async def soak(
     root: Path, cycles: int, warmup: int, seed: int, pace: float, path: str = "direct"
 ) -> dict[str, Any]:
-    import test_faults as tf  # the cancel modes and the expected-bytes helper
+    from tests import helpers
+    from tests import test_faults as tf  # its load options per path
 
     ckpt = Checkpoint.open(root)
     p = plan(ckpt)
-    expected = tf.expected_bytes(ckpt)
+    expected = helpers.expected_bytes(ckpt)
     fake = PacedOs(pace)
     saved = read_module.os, read_module._preadv_raw
     read_module.os = fake  # type: ignore[assignment]
@@ -146,8 +147,8 @@ async def soak(
                 before = snapshot()
                 trend.append((0, before["VmRSS KiB"]))
                 started = time.perf_counter()
-            mode = tf.CANCEL_MODES[cycle % len(tf.CANCEL_MODES)]
-            await tf._cancel_somewhere(slabs, ckpt, rng, mode, tf.PATHS[path])
+            mode = helpers.CANCEL_MODES[cycle % len(helpers.CANCEL_MODES)]
+            await helpers.cancel_somewhere(slabs, ckpt, rng, mode, tf.PATHS[path])
             if fake.in_flight:
                 problems.append(f"cycle {cycle} ({mode}): {fake.in_flight} reads still in flight")
             if mode == "aclose":

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the tests package, for its model writer
 
 CONTENDERS: dict[str, dict[str, Any]] = {
     "auto": {"load_format": "auto"},
@@ -272,7 +272,7 @@ def main() -> None:
     else:
         model = Path(args.workdir) / "mixtral-bench"
         if not (model / "config.json").exists():
-            from vllm_models import write_model
+            from tests.vllm_models import write_model
 
             print(f"writing the bench model into {model} ...", flush=True)
             write_model(model, "mixtral", shards=4, **BENCH_MODEL)

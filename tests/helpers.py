@@ -1,19 +1,24 @@
-"""Helpers shared by tests (imported as ``helpers``; pytest puts tests/ on sys.path)."""
+"""Helpers shared by tests (``from tests.helpers import ...``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
+import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import asyncslab
+from asyncslab import Checkpoint, IncompleteLoadError, LoadOptions, SlabSet
 from asyncslab.testing import verify_slabs
 
 
@@ -71,3 +76,161 @@ def staging_released(slabs: asyncslab.SlabSet) -> bool:
     strategy = slabs._load.strategy
     staging = strategy.staging() if strategy is not None else None
     return staging is None or staging.buffers == 0
+
+
+# --- faults: what a broken or cancelled load must leave behind -------------------------
+
+_EXPECTED: dict[Path, dict[str, torch.Tensor]] = {}
+
+
+def expected_bytes(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
+    """Raw bytes of every tensor as the reference reads them (cached per checkpoint)."""
+    key = ckpt.root.resolve()
+    if key not in _EXPECTED:
+        out = {}
+        for shard in ckpt.files:
+            with safe_open(shard.path, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    out[name] = raw_bytes(f.get_tensor(name)).clone()
+        _EXPECTED[key] = out
+    return _EXPECTED[key]
+
+
+def assert_units_all_or_nothing(slabs: SlabSet, ckpt: Checkpoint) -> tuple[int, int]:
+    """Each unit is either complete — every slab handed out, every tensor bit-exact — or
+    refused through every accessor. Returns (complete, incomplete) unit counts."""
+    expected = expected_bytes(ckpt)
+    p = slabs.plan
+    done = slabs.statistics().unit_completed_at
+    routes_of: dict[str, list[asyncslab.rules.Route]] = {u: [] for u in p.units}
+    for r in p.routes:
+        routes_of[r.unit].append(r)
+    complete = incomplete = 0
+    for unit, names in p.units.items():
+        if unit in done:
+            complete += 1
+            for name in names:
+                slabs.slab(name)
+            for r in routes_of[unit]:
+                assert torch.equal(raw_bytes(slabs.view(r.tensor)), expected[r.tensor]), r.tensor
+        else:
+            incomplete += 1
+            for name in names:
+                with pytest.raises(IncompleteLoadError, match=unit):
+                    slabs.slab(name)
+                with pytest.raises(IncompleteLoadError):
+                    slabs.slabs[name]
+            for r in routes_of[unit]:
+                with pytest.raises(IncompleteLoadError):
+                    slabs.view(r.tensor)
+                with pytest.raises(IncompleteLoadError):
+                    slabs.slot(r.slab, r.slot)
+    assert complete == slabs.statistics().units_complete
+    return complete, incomplete
+
+
+def assert_bit_exact(slabs: SlabSet, ckpt: Checkpoint) -> None:
+    assert slabs.state == "complete"
+    complete, incomplete = assert_units_all_or_nothing(slabs, ckpt)
+    assert incomplete == 0
+    assert complete == len(slabs.plan.units)
+
+
+async def wait_io_threads_gone(limit: float = 3.0) -> list[threading.Thread]:
+    """I/O threads exit shortly after a load returns; allow them a bounded moment."""
+    deadline = time.monotonic() + limit
+    while io_threads() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling threads
+        await asyncio.sleep(0.005)
+    return io_threads()
+
+
+async def released(held: Callable[[], bool], limit: float = 5.0) -> bool:
+    """Whether ``held()`` turns False within ``limit`` seconds, the loop running meanwhile.
+
+    A thread's last result reaches the event loop as a callback queued before the thread
+    exits; until the loop has run it, that result (and the read's frames in a traceback)
+    still holds what the read used. So "released once the reads returned" is judged after
+    the loop has had its turn, not in the instant the threads are seen gone."""
+    deadline = time.monotonic() + limit
+    while True:
+        gc.collect()
+        if not held() or time.monotonic() >= deadline:
+            return not held()
+        await asyncio.sleep(0.01)
+
+
+async def cancel_somewhere(
+    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str, options: LoadOptions
+) -> None:
+    """One load, cancelled at a random point (it may finish first)."""
+
+    async def spin(n: int) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    # Some right at the start (before the task ran, before a thread started), the rest
+    # spread over a paced load (~5-15 ms; an idle loop iteration takes ~5-10 us) and a
+    # little past it.
+    iterations = rng.randrange(4) if rng.random() < 0.2 else rng.randrange(3000)
+    delay = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.02)
+    if mode == "task.cancel":
+        task = slabs.start(ckpt, options=options)
+        await spin(iterations)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
+        task = slabs.start(ckpt, options=options)
+        k = rng.randrange(1, len(slabs.plan.routes))
+        while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "delay":
+        task = slabs.start(ckpt, options=options)
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "double-cancel":  # a second cancel lands while the load drains
+        task = slabs.start(ckpt, options=options)
+        await spin(iterations)
+        task.cancel()
+        await spin(rng.randrange(3))
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    elif mode == "outer-task":  # the task awaiting slabs.load() is cancelled
+        outer = asyncio.ensure_future(slabs.load(ckpt, options=options))
+        await spin(iterations)
+        outer.cancel()
+        try:
+            await outer
+        except asyncio.CancelledError:
+            pass
+    elif mode == "timeout":
+        try:
+            async with asyncio.timeout(delay):
+                await slabs.load(ckpt, options=options)
+        except TimeoutError:
+            pass
+    elif mode == "aclose":
+        slabs.start(ckpt, options=options)
+        await spin(iterations)
+        await slabs.aclose()
+    else:  # pragma: no cover
+        raise AssertionError(mode)
+
+
+CANCEL_MODES = [
+    "task.cancel", "landed", "delay", "double-cancel", "outer-task", "timeout", "aclose",
+]  # fmt: skip

@@ -5,7 +5,7 @@ A safetensors file is ``struct.pack('<Q', N)`` + ``N`` bytes of UTF-8 JSON + pay
 builders here write JSON *text* (not ``json.dumps`` of a dict) so that a case can repeat a key,
 put a float where an integer belongs, or splice in something that is not JSON at all.
 
-Imported by the tests as ``import malformed`` (pytest puts ``tests/`` on ``sys.path``).
+Imported by the tests as ``from tests import malformed``.
 """
 
 from __future__ import annotations

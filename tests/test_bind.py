@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import raw_bytes
 from safetensors import safe_open
 from torch import nn
 
@@ -28,6 +27,7 @@ from asyncslab import (
     plan,
 )
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import raw_bytes
 
 LAYER = 1  # the synthetic checkpoint's first MoE layer (first_dense=1)
 PREFIX = f"model.layers.{LAYER}."

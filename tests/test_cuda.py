@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
-from helpers import assert_bit_identical, raw_bytes, slow_reads, staging_released
 from safetensors import safe_open
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
 from asyncslab._format import gc_paused
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import assert_bit_identical, raw_bytes, slow_reads, staging_released
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
 

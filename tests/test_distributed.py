@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import raw_bytes
 
 import asyncslab
 import asyncslab.testing
@@ -39,6 +38,7 @@ from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
 from asyncslab import _distributed as distributed
 from asyncslab._distributed import DistributedLoadError, _share_chunks
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
+from tests.helpers import raw_bytes
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

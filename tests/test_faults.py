@@ -26,10 +26,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import io_threads, open_fds, raw_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
 
 import asyncslab
 from asyncslab import (
@@ -46,6 +44,16 @@ from asyncslab import _read as read_module
 from asyncslab._read import pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from tests.helpers import (
+    CANCEL_MODES,
+    assert_bit_exact,
+    assert_units_all_or_nothing,
+    cancel_somewhere,
+    expected_bytes,
+    open_fds,
+    released,
+    wait_io_threads_gone,
+)
 
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
@@ -73,83 +81,16 @@ def fresh_small(tmp_path: Path) -> SyntheticCheckpoint:
     return write_synthetic(tmp_path / "ckpt", spec)
 
 
-_EXPECTED: dict[Path, dict[str, torch.Tensor]] = {}
 
 
-def expected_bytes(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Raw bytes of every tensor as the reference reads them (cached per checkpoint)."""
-    key = ckpt.root.resolve()
-    if key not in _EXPECTED:
-        out = {}
-        for shard in ckpt.files:
-            with safe_open(shard.path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    out[name] = raw_bytes(f.get_tensor(name)).clone()
-        _EXPECTED[key] = out
-    return _EXPECTED[key]
 
 
-def assert_units_all_or_nothing(slabs: SlabSet, ckpt: Checkpoint) -> tuple[int, int]:
-    """Each unit is either complete — every slab handed out, every tensor bit-exact — or
-    refused through every accessor. Returns (complete, incomplete) unit counts."""
-    expected = expected_bytes(ckpt)
-    p = slabs.plan
-    done = slabs.statistics().unit_completed_at
-    routes_of: dict[str, list[asyncslab.rules.Route]] = {u: [] for u in p.units}
-    for r in p.routes:
-        routes_of[r.unit].append(r)
-    complete = incomplete = 0
-    for unit, names in p.units.items():
-        if unit in done:
-            complete += 1
-            for name in names:
-                slabs.slab(name)
-            for r in routes_of[unit]:
-                assert torch.equal(raw_bytes(slabs.view(r.tensor)), expected[r.tensor]), r.tensor
-        else:
-            incomplete += 1
-            for name in names:
-                with pytest.raises(IncompleteLoadError, match=unit):
-                    slabs.slab(name)
-                with pytest.raises(IncompleteLoadError):
-                    slabs.slabs[name]
-            for r in routes_of[unit]:
-                with pytest.raises(IncompleteLoadError):
-                    slabs.view(r.tensor)
-                with pytest.raises(IncompleteLoadError):
-                    slabs.slot(r.slab, r.slot)
-    assert complete == slabs.statistics().units_complete
-    return complete, incomplete
 
 
-def assert_bit_exact(slabs: SlabSet, ckpt: Checkpoint) -> None:
-    assert slabs.state == "complete"
-    complete, incomplete = assert_units_all_or_nothing(slabs, ckpt)
-    assert incomplete == 0
-    assert complete == len(slabs.plan.units)
 
 
-async def wait_io_threads_gone(limit: float = 3.0) -> list[threading.Thread]:
-    """I/O threads exit shortly after a load returns; allow them a bounded moment."""
-    deadline = time.monotonic() + limit
-    while io_threads() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling threads
-        await asyncio.sleep(0.005)
-    return io_threads()
 
 
-async def released(held: Callable[[], bool], limit: float = 5.0) -> bool:
-    """Whether ``held()`` turns False within ``limit`` seconds, the loop running meanwhile.
-
-    A thread's last result reaches the event loop as a callback queued before the thread
-    exits; until the loop has run it, that result (and the read's frames in a traceback)
-    still holds what the read used. So "released once the reads returned" is judged after
-    the loop has had its turn, not in the instant the threads are seen gone."""
-    deadline = time.monotonic() + limit
-    while True:
-        gc.collect()
-        if not held() or time.monotonic() >= deadline:
-            return not held()
-        await asyncio.sleep(0.01)
 
 
 class FakeOs:
@@ -609,81 +550,8 @@ async def test_aclose_while_awaited_load_runs(
     assert await wait_io_threads_gone() == []
 
 
-async def _cancel_somewhere(
-    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str, options: LoadOptions
-) -> None:
-    """One load, cancelled at a random point (it may finish first)."""
-
-    async def spin(n: int) -> None:
-        for _ in range(n):
-            await asyncio.sleep(0)
-
-    # Some right at the start (before the task ran, before a thread started), the rest
-    # spread over a paced load (~5-15 ms; an idle loop iteration takes ~5-10 us) and a
-    # little past it.
-    iterations = rng.randrange(4) if rng.random() < 0.2 else rng.randrange(3000)
-    delay = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.02)
-    if mode == "task.cancel":
-        task = slabs.start(ckpt, options=options)
-        await spin(iterations)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
-        task = slabs.start(ckpt, options=options)
-        k = rng.randrange(1, len(slabs.plan.routes))
-        while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
-            await asyncio.sleep(0)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "delay":
-        task = slabs.start(ckpt, options=options)
-        await asyncio.sleep(delay)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "double-cancel":  # a second cancel lands while the load drains
-        task = slabs.start(ckpt, options=options)
-        await spin(iterations)
-        task.cancel()
-        await spin(rng.randrange(3))
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "outer-task":  # the task awaiting slabs.load() is cancelled
-        outer = asyncio.ensure_future(slabs.load(ckpt, options=options))
-        await spin(iterations)
-        outer.cancel()
-        try:
-            await outer
-        except asyncio.CancelledError:
-            pass
-    elif mode == "timeout":
-        try:
-            async with asyncio.timeout(delay):
-                await slabs.load(ckpt, options=options)
-        except TimeoutError:
-            pass
-    elif mode == "aclose":
-        slabs.start(ckpt, options=options)
-        await spin(iterations)
-        await slabs.aclose()
-    else:  # pragma: no cover
-        raise AssertionError(mode)
 
 
-CANCEL_MODES = [
-    "task.cancel", "landed", "delay", "double-cancel", "outer-task", "timeout", "aclose",
-]  # fmt: skip
 
 
 @pytest.mark.asyncio
@@ -708,7 +576,7 @@ async def test_cancel_at_random_points_leaks_nothing(
     outcomes: dict[str, int] = {}
     for cycle in range(CANCEL_CYCLES):
         mode = CANCEL_MODES[cycle % len(CANCEL_MODES)]
-        await _cancel_somewhere(slabs, ckpt, rng, mode, options)
+        await cancel_somewhere(slabs, ckpt, rng, mode, options)
         where = f"cycle {cycle} ({mode})"
         landed = slabs.statistics().tensors_landed if mode != "aclose" else -1
         if 0 < landed < len(p.routes):

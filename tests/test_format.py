@@ -17,12 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import malformed
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from malformed import CASES, Case, E, build, header, obj, one
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
@@ -38,6 +36,8 @@ from asyncslab.errors import (
     SizeMismatchError,
     UnknownDtypeError,
 )
+from tests import malformed
+from tests.malformed import CASES, Case, E, build, header, obj, one
 
 # --- helpers ------------------------------------------------------------------------------
 

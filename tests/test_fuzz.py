@@ -663,7 +663,7 @@ import resource, sys, tempfile
 from pathlib import Path
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 sys.path.insert(0, sys.argv[1])
-import test_fuzz as fz
+import tests.test_fuzz as fz
 with tempfile.TemporaryDirectory() as d:
     fz.write_files(Path(d), fz._renamed("model.layers.1.mlp.experts.%d.gate_proj.trellis" % 10**20))
     print(fz.run_pipeline(Path(d)).status)
@@ -676,7 +676,7 @@ def test_huge_expert_index_is_refused_without_exhausting_memory() -> None:
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", _HUGE_EXPERT, str(Path(__file__).parent)],
+        [sys.executable, "-c", _HUGE_EXPERT, str(Path(__file__).parent.parent)],
         capture_output=True,
         text=True,
         timeout=100,

@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import malformed
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -26,6 +25,7 @@ from asyncslab.errors import (
     SizeMismatchError,
     UnsafePathError,
 )
+from tests import malformed
 
 INDEX = "model.safetensors.index.json"
 

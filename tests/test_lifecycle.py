@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import assert_bit_identical, io_threads, loop_errors, open_fds, slow_reads
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -31,6 +30,7 @@ from asyncslab import _copy as copy_module
 from asyncslab._format import gc_paused
 from asyncslab._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from tests.helpers import assert_bit_identical, io_threads, loop_errors, open_fds, slow_reads
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

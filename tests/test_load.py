@@ -19,15 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import (
-    assert_bit_identical,
-    io_threads,
-    loop_errors,
-    open_fds,
-    raw_bytes,
-    slow_reads,
-    staging_released,
-)
 from safetensors.torch import save_file
 
 import asyncslab
@@ -37,6 +28,15 @@ from asyncslab._format import gc_paused
 from asyncslab._read import Scatter, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from tests.helpers import (
+    assert_bit_identical,
+    io_threads,
+    loop_errors,
+    open_fds,
+    raw_bytes,
+    slow_reads,
+    staging_released,
+)
 
 pytestmark = pytest.mark.asyncio
 

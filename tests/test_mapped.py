@@ -27,20 +27,21 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_bit_identical, open_fds
-from test_faults import (
-    CANCEL_MODES,
-    _cancel_somewhere,
-    assert_bit_exact,
-    released,
-    wait_io_threads_gone,
-)
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, _copy, _mapped, plan
 from asyncslab._options import resolve_transfer
 from asyncslab._schedule import ReadOp, windows
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import (
+    CANCEL_MODES,
+    assert_bit_exact,
+    assert_bit_identical,
+    cancel_somewhere,
+    open_fds,
+    released,
+    wait_io_threads_gone,
+)
 
 # Windows of two pages, three threads: hundreds of registrations per load, tensors cut at
 # window edges, several registered at once.
@@ -303,7 +304,7 @@ async def test_mapped_cancel_at_random_points_leaks_nothing(
     mid_load = 0
     for cycle in range(21):
         mode = CANCEL_MODES[cycle % len(CANCEL_MODES)]
-        await _cancel_somewhere(slabs, ckpt, rng, mode, MAPPED)
+        await cancel_somewhere(slabs, ckpt, rng, mode, MAPPED)
         where = f"cycle {cycle} ({mode})"
         # The load has returned: no registration left, nothing mapped, no fd, no thread.
         assert paced.live == {}, where

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import raw_bytes
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -15,6 +14,7 @@ import asyncslab
 from asyncslab import Checkpoint, Dense, RowSlice, TieredMoE, load, plan
 from asyncslab.rules import SlabSpec, make_route
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import raw_bytes
 
 
 @pytest.mark.asyncio

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_bit_identical
 from safetensors.torch import save_file
 
 from asyncslab import Checkpoint, Dense, LoadOptions, SlabSet, plan
 from asyncslab import _read as read_module
 from asyncslab._read import IoPool, pread_scatter, scatter
+from tests.helpers import assert_bit_identical
 
 PIECES = 2500
 

@@ -25,7 +25,6 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_bit_identical
 
 from asyncslab import (
     Checkpoint,
@@ -41,6 +40,7 @@ from asyncslab import (
     plan,
 )
 from asyncslab.rules import Claim, Route, SlabSpec, make_route
+from tests.helpers import assert_bit_identical
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: never the hub
 

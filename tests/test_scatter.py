@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import slow_reads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +25,7 @@ from asyncslab import _read as read_module
 from asyncslab._read import ReadFeed, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import slow_reads
 
 
 def regions_in(

@@ -17,13 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import assert_bit_identical, raw_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from asyncslab import Checkpoint, LoadOptions, Plan, load, plan
 from asyncslab._schedule import Schedule, schedule, windows
+from tests.helpers import assert_bit_identical, raw_bytes
 
 
 def checkpoint_of(directory: Path, files: list[list[int]]) -> Checkpoint:

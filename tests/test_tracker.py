@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_bit_identical
 from safetensors.torch import save_file
 
 import asyncslab
@@ -23,6 +22,7 @@ from asyncslab._read import pread_scatter
 from asyncslab._tracker import Tracker
 from asyncslab.rules import Claim, SlabSpec
 from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import assert_bit_identical
 
 try:
     import uvloop

