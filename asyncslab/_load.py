@@ -281,7 +281,7 @@ class Load:
             # writes into the slabs (or a staging buffer) when it wakes: closing the fd now
             # would let an unrelated open reuse its number, and aclose() would free the
             # memory under it. Keep all of them until the last such read returns.
-            keep = [self.sink, self._read_plans]
+            keep = [list(self.sink.route_bytes), self.sink.backing, self._read_plans]
             pool.when_idle(lambda: _close(list(fds.values()), strategy, keep))
             self.health.broken = (
                 "a read thread did not return within read_timeout and may still write "
@@ -356,7 +356,10 @@ class Load:
         )
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()
-        land = self.sink.land
+        # The tracker's own land per piece, the sink's byte count once per read: a plan of
+        # 300,000 small tensors lands that many pieces.
+        sink = self.sink
+        land = sink.tracker.land
         broken: list[BaseException] = []
 
         def fail(err: BaseException) -> None:
@@ -376,8 +379,11 @@ class Load:
             try:
                 self.reads += 1
                 self.bytes_read += n
+                total = 0
                 for route, _, _, nbytes in ops[index].pieces:
                     land(route, nbytes)
+                    total += nbytes
+                sink.bytes_landed += total
                 ticker.tick()
             except Exception as err:  # a landing or progress-callback error ends the load
                 fail(err)

@@ -350,6 +350,7 @@ class SlabSet:
         self._tensors.clear()
         self._given = None
         self._route_bytes = []
+        self._load.sink.release()
         self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     async def __aenter__(self) -> SlabSet:

@@ -66,6 +66,11 @@ class Sink:
         self.tracker.land(route, nbytes)
         self.bytes_landed += nbytes
 
+    def release(self) -> None:
+        """Let go of the destination's memory (its SlabSet was closed); counts stay."""
+        self.route_bytes = ()
+        self.backing = None
+
 
 @dataclass(frozen=True, slots=True)
 class Reads:

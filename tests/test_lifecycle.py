@@ -829,3 +829,36 @@ async def test_reset_after_a_failed_load_leaves_no_figure_or_error_of_it(
         with pytest.raises(asyncslab.IncompleteLoadError) as info:
             await slabs.ready()
         assert info.value.__cause__ is None
+
+
+@pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
+@pytest.mark.parametrize("ending", ["complete", "failed"])
+async def test_aclose_frees_the_slabs_while_the_slabset_is_still_held(
+    small_checkpoint: SyntheticCheckpoint, transfer: str, ending: str
+) -> None:
+    """A server keeps its SlabSet object after closing it (for statistics(), say): the close
+    must let go of the slab memory itself, not wait for the object to go. The last load
+    keeps its figures, not the memory it wrote."""
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    kwargs: dict[str, Any] = {"options": replace(SMALL, transfer=transfer)}
+    if ending == "failed":
+
+        async def unit_ready(unit: str, slabs: SlabSet) -> None:
+            raise RuntimeError("injected")
+
+        kwargs["on_unit_ready"] = unit_ready
+    gc.collect()
+    with gc_paused():  # the collector off: only reference counts free
+        slabs = SlabSet(plan(ckpt))
+        backing = weakref.ref(slabs._backing)
+        if ending == "failed":
+            with pytest.raises(asyncslab.LoadError):
+                await slabs.load(ckpt, **kwargs)
+        else:
+            await slabs.load(ckpt, **kwargs)
+        landed = slabs.statistics().bytes_landed
+        await slabs.aclose()
+        await asyncio.sleep(0)
+        assert backing() is None
+        assert slabs.statistics().bytes_landed == landed > 0
+        assert slabs.statistics().state == ending
