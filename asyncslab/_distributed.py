@@ -23,17 +23,15 @@ fail after the process group's timeout (``init_process_group(timeout=...)``). Ei
 :func:`load` raises :class:`DistributedLoadError`, and the process group must not be used
 again (destroy it, or exit).
 
-This module drives a :class:`~asyncslab.SlabSet` through the package-internal parts of its
-load (``_begin``, ``_finish``, ``_tracker``, ``_backing``, ``_route_base`` and the statistics
-counters) so that a shared load fills, gates and reports exactly like a local
-one.
+A shared load is a :class:`~asyncslab._load.Load` begun by ``_loader.begin_shared``: the
+chunks' bytes land through its sink, and it finishes like a local load, so the slabs fill,
+gate and report alike. The chunk list, this rank's chunk reader and the landing index live
+in ``_shared``.
 """
 
 from __future__ import annotations
 
-import array
 import asyncio
-import bisect
 import concurrent.futures
 import hashlib
 import os
@@ -55,9 +53,17 @@ from ._load import Load, open_checked
 from ._loader import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
 from ._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ._plan import Plan, plan
-from ._read import pread_scatter, scatter
 from ._rules import Dense, RowSlice
-from ._sink import Sink
+from ._shared import (
+    POLL_S,
+    Chunk,
+    ChunkReader,
+    RouteIndex,
+    needed_ranges,
+    pack_ranges,
+    share_chunks,
+    unpack_ranges,
+)
 from ._staging import pinned_bytes
 from ._vocab import Claim, Rule
 
@@ -223,144 +229,6 @@ def rank_plan(
     return plan(checkpoint, rules, ignore=ignore, unmatched=unmatched)
 
 
-# --- the global chunk list (pure) --------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Segment:
-    """``nbytes`` at ``offset`` of file ``file``, at ``at`` in the chunk's buffer."""
-
-    file: int
-    offset: int
-    nbytes: int
-    at: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    """Read by ``owner``; broadcast when ``shared`` (several ranks need bytes of it), else
-    only its owner needs it and nothing crosses the group."""
-
-    owner: int
-    shared: bool
-    needers: tuple[int, ...]
-    nbytes: int
-    segments: tuple[_Segment, ...]
-
-
-def _needed_ranges(plan: Plan) -> list[tuple[int, int, int]]:
-    """This plan's byte ranges ``(file index, start, end)``, touching ones merged."""
-    index = {f.path: i for i, f in enumerate(plan.files)}
-    spans = sorted(
-        (index[r.file], r.src_offset, r.src_offset + r.nbytes) for r in plan.routes if r.nbytes
-    )
-    out: list[tuple[int, int, int]] = []
-    for f, s, e in spans:
-        if out and out[-1][0] == f and s <= out[-1][2]:
-            out[-1] = (f, out[-1][1], max(out[-1][2], e))
-        else:
-            out.append((f, s, e))
-    return out
-
-
-def _pack(ranges: Sequence[tuple[int, int, int]]) -> bytes:
-    return array.array("q", [x for r in ranges for x in r]).tobytes()
-
-
-def _unpack(data: bytes) -> list[tuple[int, int, int]]:
-    a = array.array("q")
-    a.frombytes(data)
-    return [(a[i], a[i + 1], a[i + 2]) for i in range(0, len(a), 3)]
-
-
-def _share_chunks(
-    ranges: Sequence[Sequence[tuple[int, int, int]]], *, chunk_bytes: int, gap: int = 0
-) -> list[_Chunk]:
-    """The global chunk list, identical on every rank that computes it from the same input.
-
-    ``ranges[r]`` are rank ``r``'s needed ranges. The union is cut at every rank's range
-    boundaries into pieces with one set of ranks needing them; consecutive pieces needed by
-    the same single rank, or by several ranks (``shared``), merge across gaps of at most
-    ``gap`` unneeded bytes (read through, like the loader's coalescing); the result is packed
-    into chunks of at most ``chunk_bytes``, each either private to one rank or shared. A
-    private chunk's owner is the rank that needs it; a shared chunk goes to the rank with
-    the fewest bytes to read so far (ties: lowest rank), so storage reads stay balanced.
-    """
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    world = len(ranges)
-    events: dict[int, list[tuple[int, int, int]]] = {}
-    for r, spans in enumerate(ranges):
-        for f, s, e in spans:
-            if e > s:
-                events.setdefault(f, []).extend(((s, 1, r), (e, -1, r)))
-    # (file, start, end, needers): elementary pieces, then merged per key.
-    merged: list[tuple[int, int, int, frozenset[int]]] = []
-    for f in sorted(events):
-        active = [0] * world
-        last = None
-        for pos, delta, r in sorted(events[f]):
-            if last is not None and pos > last:
-                needers = frozenset(i for i in range(world) if active[i])
-                if needers:
-                    key = _key(needers)
-                    prev = merged[-1] if merged else None
-                    if (
-                        prev is not None
-                        and prev[0] == f
-                        and _key(prev[3]) == key
-                        and last - prev[2] <= gap
-                    ):
-                        merged[-1] = (f, prev[1], pos, prev[3] | needers)
-                    else:
-                        merged.append((f, last, pos, needers))
-            active[r] += delta
-            last = pos
-    # Pack per key (one open chunk for each rank's private bytes, one for shared bytes).
-    closed: list[tuple[tuple[int, int], int, frozenset[int], list[_Segment]]] = []
-    open_: dict[int, tuple[tuple[int, int], frozenset[int], list[_Segment], int]] = {}
-
-    def close(key: int) -> None:
-        first, needers, segments, _ = open_.pop(key)
-        closed.append((first, key, needers, segments))
-
-    for f, s, e, needers in merged:
-        key = _key(needers)
-        pos = s
-        while pos < e:
-            if key not in open_:
-                open_[key] = ((f, pos), frozenset(), [], 0)
-            first, have, segments, used = open_[key]
-            take = min(e - pos, chunk_bytes - used)
-            segments.append(_Segment(f, pos, take, used))
-            open_[key] = (first, have | needers, segments, used + take)
-            pos += take
-            if used + take == chunk_bytes:
-                close(key)
-    for key in list(open_):
-        close(key)
-    closed.sort(key=lambda c: c[0])
-    load = [0] * world
-    for _, key, _, segments in closed:
-        if key >= 0:
-            load[key] += sum(s.nbytes for s in segments)
-    chunks: list[_Chunk] = []
-    for _, key, needers, segments in closed:
-        nbytes = sum(s.nbytes for s in segments)
-        if key >= 0:
-            owner = key
-        else:
-            owner = min(range(world), key=lambda r: (load[r], r))
-            load[owner] += nbytes
-        chunks.append(_Chunk(owner, key < 0, tuple(sorted(needers)), nbytes, tuple(segments)))
-    return chunks
-
-
-def _key(needers: frozenset[int]) -> int:
-    """The rank a piece is private to, or -1 when several ranks need it."""
-    return next(iter(needers)) if len(needers) == 1 else -1
-
-
 # --- results -----------------------------------------------------------------------------
 
 
@@ -439,10 +307,6 @@ class _Abandoned(Exception):
 
 
 _OK, _FAILED, _ABORTED, _CANCELLED = "ok", "failed", "aborted", "cancelled"
-
-#: How often the protocol thread, waiting on something that cannot be interrupted (the
-#: loop, this rank's reader), looks whether its load was aborted meanwhile.
-_POLL_S = 0.25
 
 
 def _describe(err: BaseException) -> str:
@@ -558,7 +422,7 @@ class _Session:
             if self.comm_cuda and self.slabs.device.type == "cuda":
                 self.comm_device = self.slabs.device
             if self.share:
-                hello["ranges"] = _pack(_needed_ranges(self.plan))
+                hello["ranges"] = pack_ranges(needed_ranges(self.plan))
                 # Bytes arrive in the group's chunks ("shared"), landed here.
                 self.load = begin_shared(self.slabs, self.checkpoint, self.plan, self.options)
                 for i, shard in enumerate(self.plan.files):
@@ -695,7 +559,7 @@ class _Session:
             raise _Abandoned from None
         while True:
             try:
-                return cf.result(timeout=_POLL_S)
+                return cf.result(timeout=POLL_S)
             except concurrent.futures.TimeoutError:
                 if self.abandoned:
                     raise _Abandoned from None
@@ -773,20 +637,20 @@ class _Session:
         same on every rank; no chunk was exchanged then), else ``{}``."""
         rank, nbuf = self.rank, 2
         pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
-        chunks: list[_Chunk] = []
+        chunks: list[Chunk] = []
         size = 0
         host: list[torch.Tensor] = []
         comm = host
-        routes: _RouteIndex | None = None
-        reader: _ChunkReader | None = None
+        routes: RouteIndex | None = None
+        reader: ChunkReader | None = None
         setup_error: Exception | None = None
         try:
             try:
                 # A chunk's broadcast is its payload and a status byte, chunk_bytes in all:
                 # a power of two fills the pinned block torch makes of it (a payload of
                 # 16 MiB and its byte took 32 MiB pinned, see pinned_bytes).
-                chunks = _share_chunks(
-                    [_unpack(h["ranges"]) for h in hellos],
+                chunks = share_chunks(
+                    [unpack_ranges(h["ranges"]) for h in hellos],
                     chunk_bytes=max(1, self.chunk_bytes - 1),
                     gap=self.options.coalesce_gap,
                 )
@@ -812,8 +676,17 @@ class _Session:
                 held = pinned_bytes(size) if pin else size
                 assert self.load is not None
                 self.load.record_staging(nbuf * (held + (size if self.comm_cuda else 0)))
-                routes = _RouteIndex(self.plan, self.load.sink)
-                reader = _ChunkReader(self, chunks, host, nbuf)
+                routes = RouteIndex(self.plan, self.load.sink)
+                reader = ChunkReader(
+                    chunks,
+                    rank,
+                    host,
+                    nbuf,
+                    self.fds,
+                    [str(f.path) for f in self.plan.files],
+                    failing=self._failing,
+                    aborted=lambda: self.abort_reason is not None,
+                )
                 reader.start()
             except Exception as err:
                 setup_error = self.local_error = err
@@ -846,7 +719,9 @@ class _Session:
             if reader is not None:
                 # Aborted with a read still in flight (it may never return), the reader
                 # keeps its files and buffers and this goes on to the agreement.
-                reader.finish()
+                if reader.finish():
+                    self.fds = {}
+                self.bytes_read, self.reads = reader.bytes_read, reader.reads
             try:
                 self._in_loop(self._settle_share)
             except _Abandoned:
@@ -855,11 +730,11 @@ class _Session:
     def _chunk(
         self,
         k: int,
-        chunk: _Chunk,
+        chunk: Chunk,
         read: BaseException | None,
         host: torch.Tensor,
         comm: torch.Tensor,
-        routes: _RouteIndex,
+        routes: RouteIndex,
     ) -> bool:
         """Process chunk ``k`` (``read``: the error of this rank's read of it, if it owns
         it); ``True`` when the whole group stops here."""
@@ -897,7 +772,7 @@ class _Session:
         except Exception as err:
             raise _CollectiveFailed(f"chunk {k} broadcast", err) from err
 
-    def _deliver(self, chunk: _Chunk, buffer: torch.Tensor, routes: _RouteIndex) -> None:
+    def _deliver(self, chunk: Chunk, buffer: torch.Tensor, routes: RouteIndex) -> None:
         """:meth:`_copy_out`, its failure this rank's error: raised out of the protocol, it
         would skip this rank's remaining collectives and leave the others waiting in them."""
         try:
@@ -906,7 +781,7 @@ class _Session:
             if self.local_error is None:
                 self.local_error = err
 
-    def _copy_out(self, chunk: _Chunk, buffer: torch.Tensor, routes: _RouteIndex) -> None:
+    def _copy_out(self, chunk: Chunk, buffer: torch.Tensor, routes: RouteIndex) -> None:
         """Copy every overlap of the chunk with this rank's routes into its slot, then land
         those bytes (on the loop, in order)."""
         landed: list[tuple[int, int]] = []
@@ -973,167 +848,6 @@ class _Session:
             )
         else:
             load.finish("complete")
-
-
-class _ChunkReader:
-    """This rank's reads of the chunks it owns, in chunk order on a thread of its own, at
-    most ``depth`` chunks ahead of the protocol: chunk ``k`` goes into ``host[k % depth]``,
-    free once the protocol has processed chunk ``k - depth`` (:meth:`advance`)."""
-
-    def __init__(
-        self,
-        session: _Session,
-        chunks: Sequence[_Chunk],
-        host: list[torch.Tensor],
-        depth: int,
-    ) -> None:
-        self._session = session
-        self._chunks = chunks
-        self._mine = [k for k, c in enumerate(chunks) if c.owner == session.rank]
-        self._host = host
-        self._depth = depth
-        self._fds = dict(session.fds)
-        self._cond = threading.Condition()
-        self._done = 0  # chunks the protocol has processed
-        self._stop = False  # no further read starts
-        # The protocol stopped waiting for the reader (this rank aborted while one of its
-        # reads was in flight); the reader then closes the files when it returns.
-        self._left = False
-        self._exited = False
-        self._swapped = False
-        self._filled: dict[int, BaseException | None] = {}
-        self._thread = threading.Thread(target=self._run, name="asyncslab-dist-read", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _run(self) -> None:
-        # Its own references: a read the protocol left behind may still write into these
-        # buffers and read these files whenever it returns.
-        buffers = list(self._host)
-        addresses = [t.data_ptr() for t in buffers]
-        session, fds, cond = self._session, self._fds, self._cond
-        try:
-            for k in self._mine:
-                with cond:
-                    while self._done < k - self._depth + 1 and not self._stop:
-                        cond.wait()
-                    if self._stop:
-                        return
-                result: BaseException | None = None
-                if not session._failing():
-                    try:
-                        address = addresses[k % self._depth]
-                        for seg in self._chunks[k].segments:
-                            pread_scatter(
-                                fds[seg.file],
-                                scatter([(address + seg.at, seg.nbytes)]),
-                                seg.offset,
-                                path=str(session.plan.files[seg.file].path),
-                            )
-                            session.reads += 1
-                            session.bytes_read += seg.nbytes
-                    except BaseException as err:
-                        result = err
-                with cond:
-                    self._filled[k] = result
-                    cond.notify_all()
-        finally:
-            with cond:
-                self._exited = True
-                left = self._left
-            if left:
-                for fd in fds.values():
-                    os.close(fd)
-
-    def take(self, k: int) -> BaseException | None:
-        """The outcome of this rank's read of chunk ``k``: its error, or ``None`` (also
-        when this rank aborted before the read ended: a stuck read must not keep it from
-        the collectives the others wait in)."""
-        with self._cond:
-            while k not in self._filled and self._session.abort_reason is None:
-                self._cond.wait(_POLL_S)
-            if k in self._filled:
-                return self._filled.pop(k)
-            self._stop = True  # the reader starts no further chunk
-            self._cond.notify_all()
-            if not self._swapped:
-                # The read left behind (of chunk k: the reader reads in order) may land
-                # in its buffer whenever it returns; a broadcast received there
-                # meanwhile would read its status byte torn. The remaining chunks pass
-                # through the other buffer, free since chunk k - 1 was copied out
-                # (synchronously), instead of fresh ones: an allocation that failed
-                # here would leave this rank out of the collectives its peers wait in.
-                self._swapped = True
-                self._host[:] = [self._host[(k + 1) % self._depth]] * self._depth
-        return None
-
-    def advance(self, k: int) -> None:
-        """The protocol is done with chunk ``k`` (its buffer is free)."""
-        with self._cond:
-            self._done = k + 1
-            self._cond.notify_all()
-
-    def finish(self) -> None:
-        """Start no further read and wait for the thread; if this rank aborted with a read
-        still in flight (it may never return), leave the reader its files and buffers."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        while self._thread.is_alive():
-            self._thread.join(_POLL_S)
-            if self._session.abort_reason is None:
-                continue
-            with self._cond:
-                if not self._exited:
-                    self._left = True
-                    self._session.fds = {}
-                    break
-
-
-class _RouteIndex:
-    """This rank's routes by file and offset, to find what a chunk segment overlaps.
-
-    A plan's routes never overlap each other (each is a distinct tensor, or one slice of
-    one), so the routes of a file sorted by start are also sorted by end.
-    """
-
-    def __init__(self, plan: Plan, sink: Sink) -> None:
-        if sink.backing is None:
-            raise LoadError(
-                "share_reads=True writes into slabs asyncslab allocated; these were given "
-                "(tensors=): load them without share_reads"
-            )
-        index = {f.path: i for i, f in enumerate(plan.files)}
-        per_file: dict[int, list[tuple[int, int, int, int, int]]] = {}
-        route_base = sink.route_base
-        self.empty = [i for i, r in enumerate(plan.routes) if not r.nbytes]
-        for i, r in enumerate(plan.routes):
-            if r.nbytes:
-                per_file.setdefault(index[r.file], []).append(
-                    (r.src_offset, r.src_offset + r.nbytes, i, route_base[i], r.dst_offset)
-                )
-        self.files = {f: sorted(v) for f, v in per_file.items()}
-        self.starts = {f: [e[0] for e in v] for f, v in self.files.items()}
-        # Hold the backing: it outlives a SlabSet closed meanwhile.
-        self.backing = sink.backing
-        self.cuda = sink.device.type == "cuda"
-        self.cuda_device = sink.device if self.cuda else None
-
-    def overlaps(self, seg: _Segment) -> Iterable[tuple[int, int, int, int, int]]:
-        """``(route, file offset, slab's offset in the backing, byte offset in the slab,
-        nbytes)`` per overlap."""
-        entries = self.files.get(seg.file)
-        if not entries:
-            return
-        lo, hi = seg.offset, seg.offset + seg.nbytes
-        i = max(bisect.bisect_right(self.starts[seg.file], lo) - 1, 0)
-        while i < len(entries) and entries[i][0] < hi:
-            start, end, route, slab, dst = entries[i]
-            a, b = max(lo, start), min(hi, end)
-            if a < b:
-                yield route, a, slab, dst + (a - start), b - a
-            i += 1
 
 
 def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str]:

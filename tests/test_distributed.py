@@ -36,7 +36,8 @@ import asyncslab
 import asyncslab.testing
 from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
 from asyncslab import _distributed as distributed
-from asyncslab._distributed import DistributedLoadError, _share_chunks
+from asyncslab import _shared as shared
+from asyncslab._distributed import DistributedLoadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
 from tests.helpers import raw_bytes
 
@@ -551,7 +552,7 @@ async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any])
     ckpt = _open(root, "replicated")
     plan = distributed.rank_plan(ckpt, mode="replicated")
     if rank == 1:
-        real = distributed._RouteIndex.overlaps
+        real = shared.RouteIndex.overlaps
         calls = [0]
 
         def overlaps(self: Any, seg: Any) -> Any:
@@ -560,7 +561,7 @@ async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any])
                 raise RuntimeError("copy broke (injected)")
             return real(self, seg)
 
-        distributed._RouteIndex.overlaps = overlaps  # type: ignore[method-assign]
+        shared.RouteIndex.overlaps = overlaps  # type: ignore[method-assign]
     result["outcome"] = await _attempt(
         distributed.load(ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK)
     )
@@ -584,7 +585,7 @@ async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any
         def refuse(*args: Any, **kwargs: Any) -> int:
             raise OSError(errno.EIO, "injected EIO")
 
-        distributed.pread_scatter = refuse  # type: ignore[assignment]
+        shared.pread_scatter = refuse  # type: ignore[assignment]
     gc.collect()
     gc.disable()
     slabs = asyncslab.SlabSet(plan)
@@ -727,15 +728,15 @@ def _refuse_slab_allocation() -> Callable[[], None]:
 
 def _refuse_route_index() -> Callable[[], None]:
     """Make the set-up after the pre-flight fail past the staging buffers."""
-    real = distributed._RouteIndex.__init__
+    real = shared.RouteIndex.__init__
 
     def broken(self: Any, *args: Any) -> None:
         raise RuntimeError("route index broke (injected)")
 
-    distributed._RouteIndex.__init__ = broken  # type: ignore[method-assign]
+    shared.RouteIndex.__init__ = broken  # type: ignore[method-assign]
 
     def undo() -> None:
-        distributed._RouteIndex.__init__ = real  # type: ignore[method-assign]
+        shared.RouteIndex.__init__ = real  # type: ignore[method-assign]
 
     return undo
 
@@ -956,9 +957,9 @@ def test_hung_rank_fails_the_others_at_the_group_timeout_or_the_deadline(
 
 def _check_chunks(
     ranges: list[list[tuple[int, int, int]]], chunk_bytes: int, gap: int
-) -> list[distributed._Chunk]:
-    chunks = _share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)
-    assert chunks == _share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)  # deterministic
+) -> list[shared.Chunk]:
+    chunks = shared.share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)
+    assert chunks == shared.share_chunks(ranges, chunk_bytes=chunk_bytes, gap=gap)  # deterministic
     covered: dict[int, list[tuple[int, int]]] = {}
     for c in chunks:
         assert 0 < c.nbytes <= chunk_bytes
