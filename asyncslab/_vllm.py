@@ -17,7 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -33,6 +33,7 @@ from ._format import Checkpoint
 from ._into import IntoPlan, plan_into
 from ._loader import LoadOptions, LoadStatistics, SlabSet
 from ._progress import format_bytes
+from ._stream import runner, stream_tensors
 
 __all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
 
@@ -174,6 +175,19 @@ class AsyncSlabLoader(BaseModelLoader):
         AsyncSlabLoader.last_report = self.report
         logger.info("%s", self.report.summary())
 
+    def get_all_weights(
+        self, model_config: Any, model: nn.Module
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpoint tensor by vLLM's name, as stored, for vLLM's in-place
+        ``reload_weights``: read by asyncslab into host memory a window at a time (see
+        ``_stream``), the next window read while vLLM's loaders take the current one."""
+        checkpoint, names = self._checkpoint(model, model_config)
+        vllm_name = {ck: name for name, ck in names.items()}
+        # Files vLLM reads hold nothing it would skip: every tensor goes to its loader.
+        tensors = stream_tensors(checkpoint, list(vllm_name), options=_host(self.options))
+        for name, tensor in tensors:
+            yield vllm_name[name], tensor
+
     def _checkpoint(self, model: nn.Module, model_config: Any) -> tuple[Checkpoint, dict[str, str]]:
         """The safetensors files vLLM would read, as one checkpoint, and the names vLLM
         knows each tensor by (a source's prefix added) -> checkpoint names."""
@@ -294,19 +308,6 @@ def _run(work: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return _runner()(work)
+        return runner()(work)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
-        return pool.submit(_runner(), work).result()
-
-
-def _runner() -> Callable[[Coroutine[Any, Any, T]], T]:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-
-    def run(work: Coroutine[Any, Any, T]) -> T:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(work)
-
-    return run
+        return pool.submit(runner(), work).result()

@@ -234,6 +234,35 @@ def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> N
         assert case["pointers_kept"]["asyncslab"], name
 
 
+def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """vLLM's ``reload_weights`` (weights_path: another checkpoint of the same architecture)
+    on an engine loaded with the format: asyncslab's ``get_all_weights`` streams the new
+    tensors. A dense model then answers as a fresh ``auto`` engine on that checkpoint does;
+    an MoE model as the same reload does under ``auto`` (vLLM's own in-place reload of a
+    CPU MoE model does not answer as a fresh engine, with either format)."""
+    llama = write_model(tmp_path / "llama-other", "llama", seed=1, shards=2)
+    mixtral = write_model(tmp_path / "mixtral-other", "mixtral", seed=1, shards=2)
+    cases = [
+        {"name": "llama", "model": str(models["llama"]), "other": str(llama), "fresh": True},
+        {"name": "mixtral", "model": str(models["mixtral"]), "other": str(mixtral)},
+        {
+            "name": "mixtral-auto",
+            "model": str(models["mixtral"]),
+            "other": str(mixtral),
+            "format": "auto",
+        },
+    ]
+    result = _worker("reload", cases, tmp_path)
+    for name, record in result.items():
+        assert "error" not in record, (name, record)
+        assert record["before"] != record["after"], name  # the weights did change
+    assert result["llama"]["after"] == result["llama"]["fresh"]
+    assert result["mixtral"]["before"] == result["mixtral-auto"]["before"]
+    assert result["mixtral"]["after"] == result["mixtral-auto"]["after"]
+
+
 def test_each_tensor_parallel_rank_reads_only_its_own_part(
     models: dict[str, Path], tmp_path: Path
 ) -> None:

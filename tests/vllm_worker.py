@@ -12,6 +12,11 @@ each load format in turn (in this process: ``distributed_executor_backend="uni"`
 greedy tokens of a few prompts, and the same byte and pointer checks around the loader's
 ``load_weights``.
 
+``python tests/vllm_worker.py reload CASES.json OUT.json``: per case, ``LLM(...)`` loaded with
+the case's format (default ``asyncslab``), then vLLM's in-place ``reload_weights`` from
+another checkpoint of the same architecture (``weights_path``): the greedy tokens before and
+after, and (``fresh``) ``auto``'s on a fresh engine of that other checkpoint.
+
 ``python tests/vllm_worker.py tp CASES.json OUT.json``: per case, tensor parallelism over two
 ranks (vLLM's worker processes) with each format: greedy tokens, and each rank's report.
 """
@@ -228,10 +233,41 @@ def tensor_parallel(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+
+    import asyncslab.vllm  # noqa: F401
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        record: dict[str, Any] = {}
+        fmt = case.get("format", "asyncslab")
+        llm, record["before"] = _greedy(case, fmt, distributed_executor_backend="uni")
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": case["other"]})
+            results = llm.generate(
+                PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
+            )
+            record["after"] = [list(r.outputs[0].token_ids) for r in results]
+        except Exception as err:  # recorded for the test to judge
+            record.update(_error(err))
+        del llm
+        gc.collect()
+        if case.get("fresh"):
+            other = dict(case, model=case["other"])
+            llm, record["fresh"] = _greedy(other, "auto", distributed_executor_backend="uni")
+            del llm
+            gc.collect()
+        out[case["name"]] = record
+    return out
+
+
 def main() -> None:
     what, cases_path, out_path = sys.argv[1:4]
     cases = json.loads(Path(cases_path).read_text())
-    result = {"loads": loads, "generate": generate, "tp": tensor_parallel}[what](cases)
+    modes = {"loads": loads, "generate": generate, "tp": tensor_parallel, "reload": reload}
+    result = modes[what](cases)
     Path(out_path).write_text(json.dumps(result, indent=1))
 
 
