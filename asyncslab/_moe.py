@@ -529,7 +529,7 @@ class TieredMoE:
             )
         slabs: list[SlabSpec] = []
         # The routes a column at a time (see frozen_columns): a large MoE checkpoint holds
-        # hundreds of thousands of expert tensors, and a Route made per tensor costs ~3 µs.
+        # hundreds of thousands of expert tensors, a Route each.
         columns: dict[str, list[Any]] = {f: [] for f in _ROUTE_COLUMNS}
         unit = self.unit_of(layer)
         for group, members in partition.groups.items():
