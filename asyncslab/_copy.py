@@ -113,7 +113,7 @@ class CudaCopier:
         # allocator tracks a block only on the stream that allocated it: without this, a
         # copy into the slabs could land before kernels already queued on that stream (a
         # model swap freeing a block, inference still reading the slabs before a reload)
-        # are done with that memory.
+        # are done with that memory (test_cuda_copies_wait_for_work_queued_on_the_current_stream).
         current = torch.cuda.current_stream(device)
         for stream in self.streams:
             stream.wait_stream(current)

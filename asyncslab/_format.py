@@ -643,7 +643,8 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 
 def _open_regular(path: Path) -> int:
-    # Check before opening: opening a FIFO named by a hostile index would block forever.
+    # Check before opening: opening a FIFO named by a hostile index would block forever
+    # (test_index_names_a_fifo).
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -722,8 +723,8 @@ class Checkpoint:
                 raise MissingFileError("file does not exist", file=path)
             root, index_path = path.parent, path
         elif path.name.endswith(".json") and path.is_file():
-            # A tier map or config passed by mistake: read as a shard, its first bytes made
-            # an absurd header length.
+            # A tier map or config passed by mistake: read as a shard, its first bytes would
+            # make an absurd header length, and the error would not say what was passed.
             raise CheckpointError(
                 f"{path} is a JSON file, not a safetensors file: open a .safetensors file, an "
                 "index (*.safetensors.index.json) or the checkpoint directory",

@@ -638,7 +638,8 @@ def open_checked(
     """Open one of a load's ``shards`` files, refusing one that changed since planning."""
     try:
         # O_NONBLOCK: a FIFO put in the file's place after planning would otherwise block
-        # this open, on the event-loop thread, until a writer comes.
+        # this open, on the event-loop thread, until a writer comes
+        # (test_file_gone_or_replaced_after_planning).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         why = err.strerror or str(err)

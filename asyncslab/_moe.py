@@ -208,7 +208,8 @@ class TieredMoE:
     def __post_init__(self) -> None:
         for fused, projs in self.fusion.items():
             if isinstance(projs, str) or not all(isinstance(p, str) for p in projs):
-                # ("down_proj") is a string, not a tuple: its letters were projections.
+                # ("down_proj") is a string, not a tuple: its letters would be taken for
+                # projections (test_tiered_moe_refuses_a_fusion_entry_that_is_a_string).
                 raise PlanError(
                     f"TieredMoE fusion[{fused!r}] = {projs!r}: expected a tuple of projection "
                     f"names, like ('down_proj',)"
