@@ -76,8 +76,8 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     if value > _MOST:
-        # One thread, or one stream, each: a typo of many digits made threads until the
-        # process ran out of memory.
+        # One thread, or one stream, each: a typo of many digits would make threads until
+        # the process ran out of memory (test_option_values_past_any_sense_are_one_line).
         raise argparse.ArgumentTypeError(f"expected at most {_MOST}, got {text!r}")
     return value
 
@@ -119,7 +119,7 @@ def _device_arg(text: str) -> str:
     if device.type not in ("cpu", "cuda"):
         raise argparse.ArgumentTypeError(f"device {text!r} is not supported (cpu or cuda)")
     if device.type == "cuda" and not torch.cuda.is_available():
-        # Before anything is written or read (the demo wrote its checkpoint first).
+        # Before anything is written or read (the demo would write its checkpoint first).
         raise argparse.ArgumentTypeError(f"device {text!r} requested, but CUDA is not available")
     return text
 
@@ -270,8 +270,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None:
-    # Implemented in its own module (and by other hands); imported here so that a missing
-    # or broken benchmark module costs the other commands nothing.
+    # Implemented in a subpackage of its own; imported here so that a missing or broken
+    # benchmark package costs the other commands nothing.
     try:
         bench_module = importlib.import_module(f"{__package__}._bench")
         add_arguments = bench_module.add_arguments

@@ -56,11 +56,11 @@ def read_direct(fd: int, op: ReadOp, target: Scatter, path: str) -> int:
 
 
 # A staged read fills its buffer in one syscall where the kernel allows. Every syscall ends
-# by retaking the GIL, and staging threads feeding a GPU queued for it behind the threads
-# issuing copies (H200, 20 GiB, 8 buffers of 32 MiB pinned beforehand: 1 MiB syscalls
-# 1.54-1.59 s a load, one per buffer 1.22-1.28 s). Direct reads keep SYSCALL_BYTES for
-# the event loop's sake on small machines (see _read); a staged read is bounded by its
-# buffer anyway.
+# by retaking the GIL, and staging threads feeding a GPU queue for it behind the threads
+# issuing copies, so fewer syscalls per read load a GPU faster (figures in
+# benchmarks/README.md). Direct reads keep SYSCALL_BYTES for the event loop's sake on small
+# machines (see _read); a staged read is bounded by its buffer anyway. Pinned by
+# test_staged_reads_take_one_syscall_and_one_copy_call_each.
 STAGED_SYSCALL_BYTES = 1 << 30
 
 
@@ -113,7 +113,7 @@ class CudaCopier:
         # allocator tracks a block only on the stream that allocated it: without this, a
         # copy into the slabs could land before kernels already queued on that stream (a
         # model swap freeing a block, inference still reading the slabs before a reload)
-        # are done with that memory.
+        # are done with that memory (test_cuda_copies_wait_for_work_queued_on_the_current_stream).
         current = torch.cuda.current_stream(device)
         for stream in self.streams:
             stream.wait_stream(current)
@@ -167,7 +167,8 @@ def _copy_pieces(
         dst.append(route_bytes[route][start : start + nbytes])
         src.append(buffer[read_offset : read_offset + nbytes])
     # One call for all pieces: each torch call releases and retakes the GIL, and a copy per
-    # piece (~23 per read) made staging threads queue for it (see STAGED_SYSCALL_BYTES).
+    # piece (a read holds dozens) would make staging threads queue for it, as per-syscall
+    # retakes do (see STAGED_SYSCALL_BYTES).
     _copy_all(dst, src, non_blocking=non_blocking)
 
 

@@ -84,7 +84,8 @@ class AsyncSlabError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only arguments do not survive the default pickling, and errors cross
-        # process boundaries (benchmarks, distributed ranks).
+        # process boundaries (benchmarks, distributed ranks;
+        # test_errors_keep_their_pieces_and_pickle).
         return (_rebuild, (type(self), self.message, self.file, self.tensor, self.details))
 
 

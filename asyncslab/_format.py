@@ -247,11 +247,12 @@ def frozen_columns(
     rather than an instance at a time: field ``f`` of instance ``i`` is ``columns[f][i]``,
     or ``same[f]``, or the field's default.
 
-    A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``:
-    about 1 µs a tensor for ``TensorInfo`` and 2 µs for a ``Route``, seconds for a few
-    hundred thousand tensors. Filling one slot of every instance with ``map`` over the
-    slot's descriptor runs the loop in C, at a fraction of the cost; the instances are the
-    same frozen objects ``__init__`` makes (there is no ``__post_init__`` to skip).
+    A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``, a
+    Python-level cost per field per instance that adds up to seconds for a few hundred
+    thousand tensors (figures in benchmarks/README.md). Filling one slot of every instance
+    with ``map`` over the slot's descriptor runs the loop in C; the instances are the same
+    frozen objects ``__init__`` makes (there is no ``__post_init__`` to skip), as
+    ``test_columns_make_the_objects_init_makes`` checks.
     """
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__} checks its fields in __post_init__; build it per instance")
@@ -333,8 +334,8 @@ def _parse_compact(text: str) -> _Columns | None:
 
     Returns ``None`` whenever the text departs from that layout in any way; the general
     parser then decides, and it alone raises errors. So this path only has to be exact about
-    what it accepts: whatever it accepts, the general parser accepts with the same result (a
-    property test holds the two together).
+    what it accepts: whatever it accepts, the general parser accepts with the same result
+    (``test_property_compact_header_agrees_with_general``).
     """
     body = text.rstrip(" ")
     if "\\" in body or _SPEC_MARK in body:
@@ -642,7 +643,8 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 
 def _open_regular(path: Path) -> int:
-    # Check before opening: opening a FIFO named by a hostile index would block forever.
+    # Check before opening: opening a FIFO named by a hostile index would block forever
+    # (test_index_names_a_fifo).
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -721,8 +723,8 @@ class Checkpoint:
                 raise MissingFileError("file does not exist", file=path)
             root, index_path = path.parent, path
         elif path.name.endswith(".json") and path.is_file():
-            # A tier map or config passed by mistake: read as a shard, its first bytes made
-            # an absurd header length.
+            # A tier map or config passed by mistake: read as a shard, its first bytes would
+            # make an absurd header length, and the error would not say what was passed.
             raise CheckpointError(
                 f"{path} is a JSON file, not a safetensors file: open a .safetensors file, an "
                 "index (*.safetensors.index.json) or the checkpoint directory",
@@ -798,8 +800,9 @@ def _raise_duplicate(files: list[ShardFile], per_file: list[list[TensorInfo]]) -
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     # Parsing a large checkpoint creates millions of small containers, none cyclic; each
-    # allocation burst would trigger a full collection over everything parsed so far, which
-    # made opening 1M tensors several times slower.
+    # allocation burst would trigger a collection over everything parsed so far, so the
+    # collector's work would grow with the square of the tensor count and find nothing to
+    # free (figures in benchmarks/README.md).
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -898,7 +901,8 @@ def _weight_map_compact(text: str) -> tuple[list[str], list[str]] | None:
     of each), and the rest of the document, with the map emptied, goes through the general
     JSON parser. Two things are left to the caller, because comparing the names with the
     headers' settles both at no extra cost: that no name repeats, and that no name holds a
-    control character.
+    control character. Whatever this accepts, the general parser reads alike
+    (``test_property_compact_index_agrees_with_general``).
     """
     if "\\" in text:
         return None

@@ -178,15 +178,17 @@ class Load:
         assert strategy is not None
         options, plan, sink = self.options, self.plan, self.sink
         device = sink.device
-        # One thread per read in flight: a cold cache needs the reads in flight (two on two
-        # cores left storage idle), and niced threads with short syscalls (see _read) leave
-        # the event loop a core the moment it wakes.
+        # One thread per read in flight: a cold cache needs several reads in flight to keep
+        # storage busy, even on a machine with fewer cores than that, and niced threads with
+        # short syscalls (see _read) leave the event loop a core the moment it wakes
+        # (test_io_threads_run_niced_and_the_loop_does_not).
         pool = IoPool(strategy.workers, nice=options.io_nice)
         fds: dict[int, int] = {}
         loaded = False
         try:
             await before()
-            # Planning the reads takes tens of ms for ten thousand tensors: off the loop.
+            # Planning the reads is a pass over every route of the plan: off the loop, so
+            # that a large plan does not stall it.
             key = (strategy.name, strategy.read_size, options.coalesce_gap)
             reads = self._read_plans.get(key)
             if reads is None:
@@ -229,7 +231,8 @@ class Load:
         finally:
             try:
                 # All of the release, even if cancelled meanwhile (the cancel is re-raised
-                # after it): leaving early leaked the fds and the I/O threads.
+                # after it): leaving early would leak the fds and the I/O threads
+                # (test_cancel_at_random_points_leaks_nothing).
                 await uncancellable(self._release(pool, fds))
             except asyncio.CancelledError:
                 if loaded:  # every unit had landed; the cancel came while releasing
@@ -280,7 +283,8 @@ class Load:
             # A read stuck in a thread still reads its fd (or copies out of a mapping) and
             # writes into the slabs (or a staging buffer) when it wakes: closing the fd now
             # would let an unrelated open reuse its number, and aclose() would free the
-            # memory under it. Keep all of them until the last such read returns.
+            # memory under it. Keep all of them until the last such read returns
+            # (test_stalled_read_keeps_its_fd_and_memory_until_it_returns).
             keep = [list(self.sink.route_bytes), self.sink.backing, self._read_plans]
             pool.when_idle(lambda: _close(list(fds.values()), strategy, keep))
             self.health.broken = (
@@ -397,9 +401,9 @@ class Load:
                     # finished has landed by the time its drive() is seen to return.
                     loop.call_soon_threadsafe(landed, index, n)
                     # Give up the core between reads: with every core busy reading, a
-                    # waking event loop otherwise waited milliseconds for one (2 cores,
-                    # 4 threads, 3 GiB pre-touched: lag p99 4.8-6.1 ms -> 2.5-3.1, load
-                    # time unchanged).
+                    # waking event loop would otherwise wait for one until a thread's time
+                    # slice ends; the yield costs no load time (figures in
+                    # benchmarks/README.md; test_io_threads_give_up_the_core_after_every_read).
                     _yield()
             except BaseException:
                 feed.stop()
@@ -573,7 +577,7 @@ async def _await_callback(pending: object, unit: str) -> None:
     try:
         if not inspect.isawaitable(pending):
             # A plain function: it ran, but the loader awaits the callback (it may do I/O),
-            # and torch's "NoneType can't be used in 'await'" would not say why.
+            # and Python's "NoneType can't be used in 'await'" would not say why.
             raise LoadError(
                 f"on_unit_ready must be an async function (for unit {unit!r} it returned "
                 f"{type(pending).__name__}, not an awaitable)"
@@ -634,7 +638,8 @@ def open_checked(
     """Open one of a load's ``shards`` files, refusing one that changed since planning."""
     try:
         # O_NONBLOCK: a FIFO put in the file's place after planning would otherwise block
-        # this open, on the event-loop thread, until a writer comes.
+        # this open, on the event-loop thread, until a writer comes
+        # (test_file_gone_or_replaced_after_planning).
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as err:
         why = err.strerror or str(err)

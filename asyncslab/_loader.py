@@ -4,8 +4,10 @@ time into them (a :class:`~._load.Load`, which owns that load's resources).
 
 Ownership and lifetime: a :class:`SlabSet` owns its slab tensors for its whole life; loads
 write into them in place, so every pointer stays valid across :meth:`SlabSet.reset` and
-reloads (captured CUDA graphs keep working). It keeps no live error and no ended task:
-dropped after a failed load, it frees its memory at once.
+reloads (captured CUDA graphs keep working; ``test_reload_keeps_every_pointer``). It keeps
+no live error and no ended task: dropped after a failed load, it frees its memory at once,
+without waiting for the cyclic collector
+(``test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_collector``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,8 @@ class SlabSet:
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" means the current device when the slabs are made; pinned here, as the
             # copies run on I/O threads, whose current device is device 0 (on several GPUs
-            # their streams, events and registrations would be on the wrong one).
+            # their streams, events and registrations would be on the wrong one;
+            # test_cuda_device_without_an_index_is_the_current_one).
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.plan = plan
         self._tensors: dict[str, torch.Tensor] = {}
@@ -124,8 +127,9 @@ class SlabSet:
             empty: list[str] = []
         else:
             # One allocation holds every slab; slab tensors are views of it, made when first
-            # asked for. A slab of its own each cost ~20 µs (allocation, views, a buffer for
-            # reads): seconds for a plan of 300,000 small tensors.
+            # asked for. An allocation per slab (with its views and a buffer for reads) costs
+            # a fixed overhead per slab, which a plan of hundreds of thousands of small tensors
+            # multiplies into seconds (figures in benchmarks/README.md).
             self._offset, total, empty = slab_layout(plan, self.device)
             try:
                 self._backing = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
@@ -425,7 +429,8 @@ class SlabSet:
             if self._task is task:
                 # An ended task holds its result (this SlabSet) or its error (whose frames
                 # hold it): kept here, either is a cycle that only the collector frees, and
-                # a dropped SlabSet would keep its slabs (VRAM on a GPU) until then.
+                # a dropped SlabSet would keep its slabs (VRAM on a GPU) until then
+                # (test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector).
                 self._task = None
                 self._ended_task = weakref.ref(task)
 
@@ -449,7 +454,8 @@ class SlabSet:
     def _delivered(self, error: BaseException | None) -> None:
         """A caller of ready() got the load's error as its cause: asyncio need not log the
         task's exception as never retrieved, which would report one failure twice, the
-        second time as if nobody had seen it."""
+        second time as if nobody had seen it
+        (``test_a_failure_ready_reported_is_not_logged_again_as_never_retrieved``)."""
         task = self._task or (self._ended_task() if self._ended_task else None)
         if error is not None and task is not None:
             # Its task may still be releasing threads and files: mark it when it ends.

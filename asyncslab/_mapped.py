@@ -2,17 +2,17 @@
 cache, with no staging copy. Runs on I/O worker threads.
 
 A staged load copies every byte on the host (page cache -> pinned buffer) before the GPU
-copies it. On an H200 host that host copy alone ran at 27-44 GB/s with 8-16 threads, below
-the 55 GB/s the GPU takes from pinned memory: no staged load there can reach the GPU's
-bandwidth. Here each shard is mapped read-only, and each read's pages are registered with
-CUDA (``cudaHostRegisterReadOnly``: pinned where they lie in the page cache), copied from by
-DMA, and unregistered once the copies completed. Pinned at any moment: one read's window per
-I/O thread, and no byte of it copied on the host.
+copies it, so it is bounded by that host copy, which can be slower than what the GPU takes
+from pinned memory (as on the H200 host measured in benchmarks/README.md): there no staged
+load can reach the GPU's bandwidth. Here each shard is mapped read-only, and each read's
+pages are registered with CUDA (``cudaHostRegisterReadOnly``: pinned where they lie in the
+page cache), copied from by DMA, and unregistered once the copies completed. Pinned at any
+moment: one read's window per I/O thread, and no byte of it copied on the host.
 
 CUDA refuses to register a page twice, so a mapped load's reads are ``_schedule.windows``:
-no two share a page. Registering faults in pages not yet cached, so a cold read happens
-inside the registration, on the I/O thread, and counts against ``read_timeout`` like any
-read.
+no two share a page (``test_property_windows_read_every_byte_once_one_read_per_window``).
+Registering faults in pages not yet cached, so a cold read happens inside the registration,
+on the I/O thread, and counts against ``read_timeout`` like any read.
 
 On a CPU target the same path copies out of the mappings (to test it without a GPU; direct
 reads are the way to fill host slabs). There "registering" faults the window in with
@@ -176,7 +176,8 @@ class Mappings:
     def keep(self, file: int) -> None:
         """Never unmap file ``file``: a range of it stayed registered (its unregistration
         failed). Unmapped, its addresses could go to a later mapping, which CUDA would then
-        refuse to register ("already registered") or, worse, take for the old pages."""
+        refuse to register ("already registered") or, worse, take for the old pages
+        (``test_a_range_left_registered_keeps_its_shard_mapped``)."""
         self._kept.add(file)
 
     def close(self) -> None:

@@ -208,7 +208,8 @@ class TieredMoE:
     def __post_init__(self) -> None:
         for fused, projs in self.fusion.items():
             if isinstance(projs, str) or not all(isinstance(p, str) for p in projs):
-                # ("down_proj") is a string, not a tuple: its letters were projections.
+                # ("down_proj") is a string, not a tuple: its letters would be taken for
+                # projections (test_tiered_moe_refuses_a_fusion_entry_that_is_a_string).
                 raise PlanError(
                     f"TieredMoE fusion[{fused!r}] = {projs!r}: expected a tuple of projection "
                     f"names, like ('down_proj',)"
@@ -529,7 +530,7 @@ class TieredMoE:
             )
         slabs: list[SlabSpec] = []
         # The routes a column at a time (see frozen_columns): a large MoE checkpoint holds
-        # hundreds of thousands of expert tensors, and a Route made per tensor costs ~3 µs.
+        # hundreds of thousands of expert tensors, a Route each.
         columns: dict[str, list[Any]] = {f: [] for f in _ROUTE_COLUMNS}
         unit = self.unit_of(layer)
         for group, members in partition.groups.items():

@@ -77,8 +77,9 @@ class LoadOptions:
     max_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        # Checked here, not deep in a load: a float count or size failed there as a bare
-        # TypeError naming no option, and a bool is an int that means nothing here.
+        # Checked here, not deep in a load: a float count or size would fail there as a bare
+        # TypeError naming no option, and a bool is an int that means nothing here
+        # (test_load_options_refuse_wrong_values_naming_the_option).
         for name in (
             "io_workers", "read_size", "coalesce_gap", "staging_bytes", "staging_buffers",
             "streams", "io_nice",
@@ -102,7 +103,7 @@ class LoadOptions:
                 kind = "a number or None" if optional else "a number"
                 raise TypeError(f"LoadOptions.{name} must be {kind}, got {value!r}")
         if self.read_timeout is not None and not 0 < self.read_timeout <= math.inf:
-            # 0 often means "no timeout" elsewhere; here it failed every read, and the
+            # 0 often means "no timeout" elsewhere; here it would fail every read, and the
             # SlabSet with it (a read past read_timeout makes it unusable). None is "never".
             raise ValueError(
                 f"LoadOptions.read_timeout must be positive seconds, or None for no timeout; "

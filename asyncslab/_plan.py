@@ -170,8 +170,9 @@ def plan(
     claims are an error unless ``unmatched="ignore"`` — never silently dropped.
     """
     # Routes, specs and their tuples are many small objects, none cyclic: the cyclic
-    # collector walking them again and again took 35 % of planning 14,000 tensors and 40-60 %
-    # of planning 50,000 (as when opening, see _format).
+    # collector would walk them again and again and free nothing (as when opening, see
+    # _format; figures in benchmarks/README.md). The caller's setting comes back, also on
+    # failure (test_planning_pauses_the_cyclic_collector_and_restores_it).
     with gc_paused():
         return _plan(checkpoint, rules, ignore, unmatched, tier_map, rank)
 
@@ -325,9 +326,12 @@ def _reads_its_tensor(route: Route, info: TensorInfo) -> bool:
 def _valid(checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], routes: Sequence[Route]) -> bool:
     """Whether :func:`_validate` would pass, decided a column at a time.
 
-    Validation is the same few comparisons per route: with 300,000 routes, a loop of
-    Python statements took a second. Here each check compares whole columns in C; only
-    a plan that fails goes through :func:`_validate`, which finds and names the fault.
+    Validation is the same few comparisons per route, and a loop of Python statements per
+    route is slow for the hundreds of thousands of a large plan. Here each check compares
+    whole columns in C; only a plan that fails goes through :func:`_validate`, which finds
+    and names the fault. The two must agree on every plan: whatever ``_validate`` accepts,
+    this accepts too (``test_property_plan_column_checks_accept_what_the_route_checker_accepts``),
+    and a plan this refuses only costs the slower check.
     """
     try:
         return _valid_columns(checkpoint, slabs, routes)

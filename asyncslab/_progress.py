@@ -3,7 +3,8 @@ sizes both ways (``format_bytes``; ``parse_size`` for what a user types).
 
 Dependency-free on purpose: the CLI runs on servers and in CI where nothing beyond the
 package's own requirements is installed. The bar takes :class:`~asyncslab.LoadStatistics`
-snapshots (the loader calls ``progress(stats)`` at most every 0.1 s and once at the end):
+snapshots (the loader calls ``progress(stats)`` at most once per
+``LoadOptions.progress_interval``, and once at the end):
 
 * on a terminal it redraws one line in place with ``\\r``;
 * anywhere else (a CI log, a pipe) it prints at most one line per ``interval`` seconds plus

@@ -8,10 +8,12 @@ is *drained*: the load does not return while a thread may still write into a sla
 
 A load's reads go through :class:`Scatter`: each read's destinations as a ready-made iovec
 array, built once per plan and reused by every load, handed to libc's ``preadv`` with no
-Python object per destination. ``os.preadv`` wants a buffer object per destination: a 3 GiB
-load made ~30,000 memoryviews, enough to run the cyclic garbage collector ~13 times per load
-and, every ~16 loads, a full collection holding the GIL ~85 ms in a process that imports
-torch. ``os.preadv`` remains the fallback where libc's is not reachable.
+Python object per destination. ``os.preadv`` wants a buffer object per destination, so a
+large load would make tens of thousands of them: enough to wake the cyclic garbage collector
+during every load and, now and then, for a full collection that holds the GIL while the
+event loop waits (figures in benchmarks/README.md, "Figures behind design choices").
+``os.preadv`` remains the fallback where libc's is not reachable
+(``test_libc_preadv_is_the_path_on_linux``, ``test_property_partial_reads_through_os_preadv``).
 """
 
 from __future__ import annotations
@@ -45,10 +47,11 @@ __all__ = [
 T = TypeVar("T")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 #: Bytes per ``preadv`` call. A kernel built without preemption (common on servers and VMs)
-#: runs a read syscall to its end before another thread gets the core: a 16 MiB read into
-#: fresh memory held both cores of a 2-core VM for ~10 ms at a time, and the event loop
-#: waited that long. Smaller syscalls give the scheduler a chance every few hundred µs;
-#: the extra calls cost nothing measurable.
+#: runs a read syscall to its end before another thread gets the core, so the event loop
+#: can wait as long as the longest syscall, and a large read into fresh memory takes long.
+#: Syscalls of this size give the scheduler a chance often, at no cost the benchmarks can
+#: see (figures in benchmarks/README.md). That no syscall exceeds it is pinned by
+#: ``test_calls_respect_syscall_size_and_iov_limit``.
 SYSCALL_BYTES = 1 << 20
 
 
@@ -255,8 +258,8 @@ class IoPool:
     thread (including ones whose awaiting task was cancelled) so that no thread writes into
     memory its load no longer owns. Threads are started and joined by short-lived helper
     threads: ``Thread.start()`` and ``join()`` block their caller until the new or exiting
-    thread gets the GIL, which, with other I/O threads busy, took tens of milliseconds on
-    the event loop.
+    thread gets the GIL, which, with other I/O threads busy holding and retaking it, can
+    take long, and the event loop must not be that caller.
     """
 
     def __init__(self, workers: int, name: str = "asyncslab-io", *, nice: int = 0) -> None:
@@ -372,9 +375,10 @@ class ReadFeed:
     """The reads of one load, for I/O threads that take the next one themselves.
 
     Handing each read to a thread from the event loop costs a round trip per read (the
-    thread idles until the loop has woken, landed the last read and queued the next): 12-19 %
-    of a load from a warm page cache on two cores. Here a thread calls :meth:`take` for the
-    next read's index, reads it, and reports it to the loop without waiting for an answer.
+    thread idles until the loop has woken, landed the last read and queued the next): a
+    measurable share of a load from a warm page cache (benchmarks/README.md). Here a thread
+    calls :meth:`take` for the next read's index, reads it, and reports it to the loop
+    without waiting for an answer (``test_feed_hands_each_read_out_once_across_threads``).
     The loop keeps the watch: :meth:`oldest` tells how long the longest read has been in
     flight, and :meth:`stop` makes every thread stop after its current read.
     """

@@ -37,12 +37,13 @@ __all__ = ["Dense", "Stack", "RowSlice", "default_rules"]
 
 
 def _check_dtype(dtype: object, where: str) -> None:
-    # A name ("bfloat16") got as far as allocation, and failed there with AttributeError.
+    # A name ("bfloat16") would get as far as allocation, and fail there with an
+    # AttributeError naming no rule.
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{where}: a torch.dtype, e.g. torch.bfloat16, not {dtype!r}")
 
 
-# One read-only label mapping for every dense slab (300,000 tensors made 300,000 dicts).
+# One read-only label mapping for every dense slab, not a dict per slab.
 _DENSE: Mapping[str, str] = MappingProxyType({"kind": "dense"})
 
 

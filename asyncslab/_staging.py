@@ -4,12 +4,14 @@ A thread reads into its own buffer, enqueues the copies out of it and waits for 
 its next read (the copier returns only then). So host memory stays at the budget whatever
 the checkpoint's size, and no buffer ever changes hands: between two reads a thread waits
 for its own copy, never for an event-loop turn. Handing each read and its buffer over from
-the event loop cost a round trip through the loop per read, each retaking the GIL behind
-the other threads; the same change on direct reads gained 12-19 % (see ``_read.ReadFeed``).
+the event loop would cost a round trip through the loop per read, each retaking the GIL
+behind the other threads (see ``_read.ReadFeed``).
 
 A buffer is made (pinned) by its thread when that thread first reads, so the first read
-starts after one buffer is pinned, not all of them (pinning ran at ~1 GB/s on an H200
-host: 0.25 s for the default 256 MiB, before any read, in a load that took ~1 s).
+starts after one buffer is pinned, not all of them: pinning is slow enough that pinning
+the whole budget up front is a visible share of a GPU load (figures in
+benchmarks/README.md). Tests: ``test_staged_load_pins_one_buffer_per_thread_on_the_threads``,
+``test_staging_buffers_one_per_thread_made_when_first_used``.
 """
 
 from __future__ import annotations

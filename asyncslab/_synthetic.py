@@ -53,8 +53,9 @@ MUL1_MARKER = 0x03DCD12D
 # Dtypes the random fill can sample directly (CPU normal_ has no float8 kernel).
 _DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Above this size random fill becomes the bottleneck (~200 MB/s on CPU), so
-# spec_for_size switches to the pattern fill.
+# Above this size random fill (torch's samplers, far slower than writing the files)
+# becomes the bottleneck, so spec_for_size switches to the pattern fill (rates in
+# benchmarks/README.md).
 _PATTERN_ABOVE = 256 * _MiB
 # Largest file spec_for_size aims for, so multi-GB checkpoints are written (and
 # held in memory) one ~1 GiB shard at a time.
@@ -372,7 +373,7 @@ def _fill_pattern(entry: _Entry, key: int) -> torch.Tensor:
     """Cheap per-tensor-distinct bytes for multi-GB checkpoints.
 
     Word j of block i is ``(j * K_WORD) ^ (i * K_BLOCK) ^ key``: one broadcast
-    XOR pass (>10 GB/s, page faults dominate), distinct per tensor via the key
+    XOR pass (its cost is the page faults of the output), distinct per tensor via the key
     and per block via the block term, so an offset error of a whole block is
     still visible in a byte-exact comparison. Bytes are reinterpreted as the
     target dtype, so float tensors may hold any bit pattern, NaNs included.

@@ -42,7 +42,8 @@ class Tracker:
         self._on_complete: Callable[[str], None] | None = None
         # One future per waiting call, made in the waiter's loop: an Event would bind to the
         # first loop that waited on it, and a SlabSet reused under another loop (a second
-        # asyncio.run) would then fail every ready() with "bound to a different event loop".
+        # asyncio.run) would then fail every ready() with "bound to a different event loop"
+        # (test_a_slabset_loads_under_one_event_loop_after_another).
         self._waiters: dict[str, list[asyncio.Future[BaseException | None]]] = {}
         self._error: BaseException | None = None
         self.reset()
@@ -100,7 +101,9 @@ class Tracker:
 
     def _wake(self, unit: str, error: BaseException | None = None) -> None:
         for waiter in self._waiters.pop(unit, ()):
-            # Done: its caller was cancelled. Closed loop: nobody is left to wake.
+            # Done: its caller was cancelled. Closed loop: nobody is left to wake, and waking
+            # it would fail the landing with "Event loop is closed"
+            # (test_a_waiter_of_a_closed_loop_does_not_break_the_next_load).
             if not waiter.done() and not waiter.get_loop().is_closed():
                 waiter.set_result(error)
 

@@ -99,7 +99,7 @@ def not_ints(slot: tuple[int, ...]) -> str:
 
 def linear_index(slot: tuple[int, ...], dims: tuple[int, ...]) -> int:
     """The row-major index of ``slot`` among ``dims``, or -1 if it lies outside them (or
-    is no slot: an index ``1.5`` passes ``0 <= 1.5 < 2`` and made an offset between
+    is no slot: an index ``1.5`` passes ``0 <= 1.5 < 2`` and would make an offset between
     slots, or past the slab)."""
     if len(slot) != len(dims):
         return -1
@@ -241,8 +241,9 @@ def _index(value: Any) -> int:
 
 def as_int(owner: str, name: str, value: Any) -> int:
     """A rule's integer argument as an int (a NumPy or IntEnum one too). Anything else is
-    refused, naming it: ``rank=1.0`` from a float config planned float offsets the load
-    then failed on, and a NumPy count gave another layout fingerprint than the int."""
+    refused, naming it: ``rank=1.0`` from a float config would plan float offsets the load
+    then fails on, and a NumPy count kept as such would give another layout fingerprint
+    than the int (``test_stack_count_of_any_integer_plans_the_same_layout``)."""
     try:
         return _index(value)
     except TypeError:

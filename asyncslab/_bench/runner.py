@@ -417,7 +417,7 @@ def _cold_check(files: Sequence[Path]) -> dict[str, Any]:
     _, warm_s = read_all([probe])
     cold = n / cold_s / 1e9 if cold_s > 0 else 0.0
     warm = n / warm_s / 1e9 if warm_s > 0 else 0.0
-    # Timing alone once passed a file on tmpfs (nothing dropped) as cold: the page cache
+    # Timing alone would pass a file on tmpfs (nothing dropped) as cold: the page cache
     # itself says what was dropped, where mincore can tell.
     effective = cold < 0.7 * warm and (cached is None or cached <= COLD_CACHED_MAX)
     return {
@@ -497,9 +497,9 @@ class _Runner:
     def run(self, contender: str, mode: str, rules: str, nbytes: int) -> dict[str, Any]:
         if self.args.settle and not self.args.in_process:
             # A contender that just exited freed GBs; on a VM the kernel then hands those
-            # pages back to the hypervisor in batches, and page allocation stalled for tens
-            # of ms at a time during the next contender's first ~second (measured: asyncslab
-            # cold, lag spikes of 20-35 ms after direct-copy, none when run alone).
+            # pages back to the hypervisor in batches, and page allocation stalls meanwhile:
+            # without the pause, the next contender would pay for the previous one's memory
+            # (figures in benchmarks/README.md, under --settle).
             time.sleep(self.args.settle)
         need = nbytes * MEMORY_FACTOR.get(contender, 1.0)
         available = _meminfo().get("MemAvailable")
@@ -910,7 +910,7 @@ def _selected(args: argparse.Namespace, universe: Sequence[str]) -> list[str]:
 def _run_order(active: Sequence[str], run: int) -> list[str]:
     """The order of run ``run`` (from 0): bound-N right after asyncslab, the pair the
     targets compare, and every other run reversed, so that the machine's drift over a run
-    (~20 % over seconds on a shared VM) favours neither side of a ratio."""
+    (large on a shared VM: benchmarks/README.md) favours neither side of a ratio."""
     order = [c for c in active if c != "bound-N"]
     if "bound-N" in active:
         at = order.index("asyncslab") + 1 if "asyncslab" in order else len(order)

@@ -145,9 +145,9 @@ def touch(tensors: Sequence[torch.Tensor]) -> None:
 
 def pretouched_passes(task: dict[str, Any]) -> int:
     """Timed passes per process: several in warm-pretouched mode, where the destination is
-    touched beforehand and every pass writes into the same memory (the machine drifts by
-    ~20 % over seconds; one pass per process made the paired ratios swing by as much);
-    one otherwise, since fresh memory is fresh only once."""
+    touched beforehand and every pass writes into the same memory (the machine drifts over
+    seconds, and with one pass per process that drift would go whole into each paired
+    ratio); one otherwise, since fresh memory is fresh only once."""
     return max(1, int(task.get("repeats", 1))) if task["mode"] == "warm-pretouched" else 1
 
 
@@ -548,7 +548,7 @@ def _run_peer(task: dict[str, Any], plan: Any, peer: str, n: int) -> dict[str, A
             slabs[route.slab][route.slot].copy_(tensor)
             landed += 1
 
-    # Imported before the clock, as asyncslab is (10-14 ms each).
+    # Imported before the clock, as asyncslab is: an import is no part of a load.
     if peer.startswith("runai-model-streamer"):
         from runai_model_streamer import SafetensorsStreamer
     elif peer == "fastsafetensors":
