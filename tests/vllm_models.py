@@ -2,7 +2,8 @@
 config, a word-level tokenizer and safetensors shards with an index, as ``save_pretrained``
 lays them out, for vLLM to load with no hub.
 
-Weights are transformers' own random initialisation (seeded), made in the model's dtype.
+Weights are transformers' own random initialisation (seeded), made in the model's dtype;
+:func:`write_awq_model` replaces the decoder's linear layers by AWQ 4-bit ones.
 """
 
 from __future__ import annotations
@@ -97,3 +98,61 @@ def _tokenizer(root: Path, transformers: Any) -> None:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
     fast.save_pretrained(root)
+
+
+#: The decoder's linear layers, which an AWQ checkpoint quantizes (all else stays float).
+AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_awq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
+    """Write a tiny Llama as an AutoAWQ "gemm" checkpoint (4 bits, zero points): every
+    decoder linear layer ``X`` as ``X.qweight`` (int32 ``[in, out / 8]``, eight 4-bit
+    values each), ``X.qzeros`` (int32 ``[in / group, out / 8]``) and ``X.scales`` (float16
+    ``[in / group, out]``), in place of ``X.weight``; embeddings, norms and the head stay
+    float16, as AutoAWQ leaves them. The packed values are random (seeded): any 4-bit
+    values are a valid model, and the scales keep the dequantized weights small (at most
+    15 times a scale of 0.005 to 0.02), so the logits stay finite."""
+    import transformers
+    from safetensors.torch import save_file
+
+    class_name, config_name, defaults = CONFIGS["llama"]
+    cfg = getattr(transformers, config_name)(**defaults, bos_token_id=1, eos_token_id=2)
+    cfg.dtype = torch.float16
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        model = getattr(transformers, class_name)(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        layer, _, kind = name.rpartition(".")
+        if kind == "weight" and layer.rpartition(".")[2] in AWQ_LINEARS:
+            out, inp = tensor.shape
+            groups = inp // group_size
+            tensors[f"{layer}.qweight"] = _packed(inp, out // 8)
+            tensors[f"{layer}.qzeros"] = _packed(groups, out // 8)
+            tensors[f"{layer}.scales"] = (
+                torch.rand(groups, out, dtype=torch.float32) * 0.015 + 0.005
+            ).half()
+        else:
+            tensors[name] = tensor.contiguous()
+    del model
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    cfg.quantization_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    cfg.save_pretrained(root)
+    _tokenizer(root, transformers)
+    return root
+
+
+def _packed(rows: int, columns: int) -> torch.Tensor:
+    """Random int32 words, each eight random 4-bit values."""
+    return torch.randint(-(2**31), 2**31, (rows, columns), dtype=torch.int64).to(torch.int32)

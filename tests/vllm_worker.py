@@ -4,8 +4,8 @@ distributed state and logging process-wide; the test process stays as it was).
 ``python tests/vllm_worker.py loads CASES.json OUT.json``: per case, a model created the way
 vLLM creates it and loaded with the case's load format, in this process; recorded: every
 parameter's bytes compared with ``auto``'s (before ``process_weights_after_loading``, which
-repacks on the CPU), whether every parameter kept its address, the loader's report, or the
-error raised (type, message, the error's ``tensor``).
+repacks on the CPU), whether every parameter kept its address, each parameter's dtype, the
+loader's report, or the error raised (type, message, the error's ``tensor``).
 
 ``python tests/vllm_worker.py generate CASES.json OUT.json``: per case, ``LLM(...)`` with
 each load format in turn (in this process: ``distributed_executor_backend="uni"``), the
@@ -78,6 +78,9 @@ def _watching(
             fmt = self.load_config.load_format
             record.setdefault("pointers_kept", {})[fmt] = before == after
             snapshots[fmt] = _bytes(model)
+            record["dtypes"] = {
+                n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()
+            }
             report = getattr(self, "report", None)
             if report is not None:
                 record["report"] = dataclasses.asdict(report)
