@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -204,11 +205,20 @@ async def cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
-        task = slabs.start(ckpt, options=options)
         k = rng.randrange(1, len(slabs.plan.routes))
-        while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
-            await asyncio.sleep(0)
-        task.cancel()
+        started: list[asyncio.Task[SlabSet]] = []
+
+        # Cancelled from the progress report of the landing that reached k (nothing lands
+        # after a cancel): polling for it let the loop land on meanwhile, to the end of the
+        # load when the machine was busy.
+        def cancel_at_k(stats: asyncslab.LoadStatistics) -> None:
+            if stats.tensors_landed >= k and started and not started[0].cancelling():
+                started[0].cancel()
+
+        task = slabs.start(
+            ckpt, options=replace(options, progress_interval=0), progress=cancel_at_k
+        )
+        started.append(task)
         try:
             await task
         except asyncio.CancelledError:

@@ -57,6 +57,8 @@ from tests.helpers import (
 )
 
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
+# Loop turns each paced read waits for (see test_cancel_at_random_points_leaks_nothing).
+READ_TURNS = 60
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
 # land in the middle of it.
 SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
@@ -580,10 +582,28 @@ async def test_cancel_at_random_points_leaks_nothing(
     p = plan(ckpt)
     expected_bytes(ckpt)
 
+    # Reads are paced by the event loop's turns, not by a sleep: each waits in its thread
+    # until the loop has gone round READ_TURNS more times. A load then spans more loop turns
+    # than its reads allow in the time cancel_somewhere spins, however busy the machine, so
+    # a cancel after fewer turns than that comes before the load's end by construction (a
+    # 0.2 ms sleep per read made "mid-load" a matter of how the scheduler felt).
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
     def paced(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        time.sleep(0.0002)  # a load takes ~10 ms: long enough to be cancelled in the middle
+        due = turns + READ_TURNS
+        deadline = time.monotonic() + HANG_S
+        while turns < due:
+            assert time.monotonic() < deadline, "the event loop stopped turning"
+            time.sleep(0.0001)
         return os.preadv(fd, buffers, offset)
 
+    counter = asyncio.create_task(count_turns())
     fake = fake_os(paced)
     rng = random.Random(20240611)
     fds = open_fds()
@@ -614,6 +634,7 @@ async def test_cancel_at_random_points_leaks_nothing(
         assert_bit_exact(slabs, ckpt)
         assert open_fds() == fds, where
     await slabs.aclose()
+    counter.cancel()
     assert await wait_io_threads_gone() == []
     # The seeded points spread over the load: before it began, in the middle, after it ended.
     assert outcomes.get("cancelled", 0) >= CANCEL_CYCLES // 4, outcomes
