@@ -10,6 +10,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,16 +60,36 @@ def io_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("asyncslab-io")]
 
 
-def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
-    """Make every read of a load (CPU or staged) take ``delay`` seconds longer."""
+HANG_S = 60.0
+"""A hang guard: how long a test waits for something that must happen before it calls it
+stuck. Never an assertion of speed: a correct run on a loaded machine is far within it."""
+
+
+async def until(condition: Callable[[], bool], limit: float = HANG_S) -> None:
+    """Await ``condition()`` turning true, the loop running meanwhile (for a condition that
+    a thread or another loop changes, which no asyncio.Event can report). ``limit`` is a
+    hang guard only: the test fails if the condition never comes."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert time.monotonic() < deadline, f"still waiting after {limit} s: {condition}"
+        await asyncio.sleep(0.001)
+
+
+def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> threading.Event:
+    """Make every read of a load (CPU or staged) take ``delay`` seconds longer. Returns an
+    event set once a read is inside its delay: a read is then in flight for sure."""
     from asyncslab import _copy
     from asyncslab._read import pread_scatter
 
+    in_flight = threading.Event()
+
     def slow(*args: object, **kwargs: object) -> int:
+        in_flight.set()
         time.sleep(delay)
         return pread_scatter(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_copy, "pread_scatter", slow)
+    return in_flight
 
 
 def staging_released(slabs: asyncslab.SlabSet) -> bool:
@@ -136,16 +157,18 @@ def assert_bit_exact(slabs: SlabSet, ckpt: Checkpoint) -> None:
     assert complete == len(slabs.plan.units)
 
 
-async def wait_io_threads_gone(limit: float = 3.0) -> list[threading.Thread]:
-    """I/O threads exit shortly after a load returns; allow them a bounded moment."""
+async def wait_io_threads_gone(limit: float = HANG_S) -> list[threading.Thread]:
+    """I/O threads exit shortly after a load returns; wait for them (``limit`` is a hang
+    guard: on a loaded machine "shortly" can be long)."""
     deadline = time.monotonic() + limit
     while io_threads() and time.monotonic() < deadline:  # noqa: ASYNC110 - polling threads
         await asyncio.sleep(0.005)
     return io_threads()
 
 
-async def released(held: Callable[[], bool], limit: float = 5.0) -> bool:
-    """Whether ``held()`` turns False within ``limit`` seconds, the loop running meanwhile.
+async def released(held: Callable[[], bool], limit: float = HANG_S) -> bool:
+    """Whether ``held()`` turns False within ``limit`` seconds (a hang guard), the loop
+    running meanwhile.
 
     A thread's last result reaches the event loop as a callback queued before the thread
     exits; until the loop has run it, that result (and the read's frames in a traceback)
@@ -182,11 +205,20 @@ async def cancel_somewhere(
         except asyncio.CancelledError:
             pass
     elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
-        task = slabs.start(ckpt, options=options)
         k = rng.randrange(1, len(slabs.plan.routes))
-        while not task.done() and slabs.statistics().tensors_landed < k:  # noqa: ASYNC110
-            await asyncio.sleep(0)
-        task.cancel()
+        started: list[asyncio.Task[SlabSet]] = []
+
+        # Cancelled from the progress report of the landing that reached k (nothing lands
+        # after a cancel): polling for it let the loop land on meanwhile, to the end of the
+        # load when the machine was busy.
+        def cancel_at_k(stats: asyncslab.LoadStatistics) -> None:
+            if stats.tensors_landed >= k and started and not started[0].cancelling():
+                started[0].cancel()
+
+        task = slabs.start(
+            ckpt, options=replace(options, progress_interval=0), progress=cancel_at_k
+        )
+        started.append(task)
         try:
             await task
         except asyncio.CancelledError:

@@ -6,6 +6,8 @@ Commands run in-process through ``main([...])`` (fast, capturable); one smoke te
 
 from __future__ import annotations
 
+import asyncio
+import asyncio.runners
 import io
 import json
 import os
@@ -16,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -840,12 +842,25 @@ def test_a_load_that_fails_replaces_an_earlier_json_and_the_bar_says_so(
     assert json.loads(report.read_text())["state"] == "complete"
     capsys.readouterr()
     calls = iter(range(1_000_000))
+    # The read that sends Ctrl-C returns only once asyncio's SIGINT handler has cancelled
+    # the main task (the cancel reaches the load's task at once; nothing lands after it): a
+    # fixed 50 ms let a loaded machine finish the load before the handler ran (exit 0).
+    interrupted = threading.Event()
+    on_sigint = asyncio.runners.Runner._on_sigint
+
+    def noted_sigint(self: asyncio.Runner, *args: Any, **kwargs: Any) -> None:
+        try:
+            on_sigint(self, *args, **kwargs)
+        finally:
+            interrupted.set()
+
+    monkeypatch.setattr(asyncio.runners.Runner, "_on_sigint", noted_sigint)
 
     def read(*a: object, **kw: object) -> int:
         if next(calls) == 3:
             if fails == "by Ctrl-C":
                 os.kill(os.getpid(), signal.SIGINT)  # the loop cancels the load
-                time.sleep(0.05)
+                assert interrupted.wait(60), "asyncio's SIGINT handler never ran"
             else:
                 raise asyncslab.errors.ReadError("injected EIO", file=str(kw["path"]))
         return pread_scatter(*a, **kw)  # type: ignore[arg-type]

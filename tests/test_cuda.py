@@ -114,10 +114,19 @@ async def test_cuda_cancel_releases_staging_and_retry_succeeds(
 
     slow_reads(monkeypatch, 0.01)
     slabs = SlabSet(p, "cuda")
-    task = slabs.start(ckpt, options=LoadOptions(staging_bytes=4 << 16, staging_buffers=4))
-    while slabs.statistics().tensors_landed == 0:
-        await asyncio.sleep(0.005)
-    task.cancel()
+
+    # Cancelled from the progress report of the first landing: surely mid-load (nothing
+    # lands after a cancel). A poll for it, late on a loaded machine, could find the load
+    # already complete.
+    def cancel_at_first_landing(stats: asyncslab.LoadStatistics) -> None:
+        if stats.tensors_landed and not task.cancelling():
+            task.cancel()
+
+    task = slabs.start(
+        ckpt,
+        options=LoadOptions(staging_bytes=4 << 16, staging_buffers=4, progress_interval=0),
+        progress=cancel_at_first_landing,
+    )
     with pytest.raises(asyncio.CancelledError):
         await task
     assert slabs.statistics().state == "cancelled"

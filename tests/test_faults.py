@@ -46,6 +46,7 @@ from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (
     CANCEL_MODES,
+    HANG_S,
     assert_bit_exact,
     assert_units_all_or_nothing,
     cancel_somewhere,
@@ -56,6 +57,8 @@ from tests.helpers import (
 )
 
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
+# Loop turns each paced read waits for (see test_cancel_at_random_points_leaks_nothing).
+READ_TURNS = 60
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
 # land in the middle of it.
 SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
@@ -100,6 +103,7 @@ class FakeOs:
     def __init__(self, hook: Callable[[int, Sequence[memoryview], int], int] | None = None):
         self.hook = hook or os.preadv
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified as in_flight changes
         self.calls = 0
         self.in_flight = 0
         self.max_in_flight = 0
@@ -113,6 +117,7 @@ class FakeOs:
         with self.lock:
             self.calls += 1
             self.in_flight += 1
+            self.changed.notify_all()
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             if self.error_at is not None:
                 self.started_after_error += 1
@@ -126,6 +131,7 @@ class FakeOs:
         finally:
             with self.lock:
                 self.in_flight -= 1
+                self.changed.notify_all()
 
 
 @pytest.fixture
@@ -433,21 +439,32 @@ async def test_error_in_one_file_while_others_are_in_flight(
     victim = str(ckpt.files[1].path)
     victim_reads = 0
     in_flight_at_error: list[int] = []
+    failed = threading.Event()
 
     def slow_reads_failing_victim(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         nonlocal victim_reads
         if path_of(fd) == victim:
             victim_reads += 1
             if victim_reads == 3:
-                # Fail while another read is inside its syscall: a fixed sleep left that to
-                # the scheduler, and on a loaded machine no other read was in flight yet.
-                deadline = time.monotonic() + 5
-                while fake.in_flight < 2 and time.monotonic() < deadline:
-                    time.sleep(0.001)
-                in_flight_at_error.append(fake.in_flight)
+                # Fail while another read is inside its syscall: wait (notified, not polled
+                # against a deadline) until one is, and count them in the same instant, under
+                # the lock that counts them. The bound is a hang guard only.
+                with fake.changed:
+                    fake.changed.wait_for(lambda: fake.in_flight >= 2, timeout=HANG_S)
+                    in_flight_at_error.append(fake.in_flight)
+                failed.set()
                 raise OSError(errno.EIO, "Input/output error")
         time.sleep(0.01)
-        return os.preadv(fd, buffers, offset)
+        n = os.preadv(fd, buffers, offset)
+        if failed.is_set():
+            # Returning now, this thread would take the next queued read before the loop
+            # learns of the failure, as many times as the loop is late (a loaded machine):
+            # hold until the load has failed, so that what is counted is how far the
+            # schedule runs on once the failure is known, not the scheduler's mood.
+            deadline = time.monotonic() + HANG_S
+            while slabs.state != "failed" and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return n
 
     fake = fake_os(slow_reads_failing_victim)
     slabs = SlabSet(p)
@@ -565,10 +582,28 @@ async def test_cancel_at_random_points_leaks_nothing(
     p = plan(ckpt)
     expected_bytes(ckpt)
 
+    # Reads are paced by the event loop's turns, not by a sleep: each waits in its thread
+    # until the loop has gone round READ_TURNS more times. A load then spans more loop turns
+    # than its reads allow in the time cancel_somewhere spins, however busy the machine, so
+    # a cancel after fewer turns than that comes before the load's end by construction (a
+    # 0.2 ms sleep per read made "mid-load" a matter of how the scheduler felt).
+    turns = 0
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
     def paced(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        time.sleep(0.0002)  # a load takes ~10 ms: long enough to be cancelled in the middle
+        due = turns + READ_TURNS
+        deadline = time.monotonic() + HANG_S
+        while turns < due:
+            assert time.monotonic() < deadline, "the event loop stopped turning"
+            time.sleep(0.0001)
         return os.preadv(fd, buffers, offset)
 
+    counter = asyncio.create_task(count_turns())
     fake = fake_os(paced)
     rng = random.Random(20240611)
     fds = open_fds()
@@ -599,6 +634,7 @@ async def test_cancel_at_random_points_leaks_nothing(
         assert_bit_exact(slabs, ckpt)
         assert open_fds() == fds, where
     await slabs.aclose()
+    counter.cancel()
     assert await wait_io_threads_gone() == []
     # The seeded points spread over the load: before it began, in the middle, after it ended.
     assert outcomes.get("cancelled", 0) >= CANCEL_CYCLES // 4, outcomes
@@ -682,7 +718,7 @@ async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_
     release = threading.Event()
 
     def stuck(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        release.wait(10)
+        release.wait(HANG_S)
         return os.preadv(fd, buffers, offset)
 
     fake = fake_os(stuck)
@@ -702,7 +738,7 @@ async def test_a_retry_the_moment_ready_reports_a_stuck_read_is_refused_not_run_
     assert fake.in_flight > 0  # the stuck reads are still out
     await slabs.aclose()
     release.set()
-    assert await wait_io_threads_gone(5.0) == []
+    assert await wait_io_threads_gone() == []
     assert fake.in_flight == 0
 
 
@@ -725,7 +761,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     fd_valid_after_wake: list[bool] = []
 
     def stuck(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        release.wait(10)
+        release.wait(HANG_S)
         try:
             os.fstat(fd)
             fd_valid_after_wake.append(True)
@@ -759,7 +795,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     assert fake.in_flight > 0  # the stuck reads are still inside their threads
     assert all(r() is not None for r in slab_refs), "slab memory freed under a live read"
     release.set()
-    assert await wait_io_threads_gone(5.0) == []
+    assert await wait_io_threads_gone() == []
     assert fake.in_flight == 0
     assert fd_valid_after_wake
     assert all(fd_valid_after_wake), fd_valid_after_wake

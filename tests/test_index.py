@@ -271,7 +271,7 @@ def test_symlink_outside_without_index(tmp_path: Path) -> None:
     assert info.value.file == str(root / "b.safetensors")
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 def test_symlink_loop(two_shards: Path) -> None:
     (two_shards / "loop.safetensors").symlink_to("loop.safetensors")
     # Without an index, the loop is one of the *.safetensors files.
@@ -295,7 +295,7 @@ def test_index_names_a_directory(two_shards: Path) -> None:
     assert info.value.file == str(two_shards / "dir.safetensors")
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 def test_index_names_a_fifo(two_shards: Path) -> None:
     os.mkfifo(two_shards / "fifo.safetensors")
     index(two_shards, {"x": "a.safetensors", "y": "a.safetensors", "z": "fifo.safetensors"})
@@ -304,7 +304,7 @@ def test_index_names_a_fifo(two_shards: Path) -> None:
     assert info.value.file == str(two_shards / "fifo.safetensors")
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 def test_fifo_without_index_and_opened_directly(two_shards: Path) -> None:
     fifo = two_shards / "c.safetensors"
     os.mkfifo(fifo)
@@ -314,7 +314,7 @@ def test_fifo_without_index_and_opened_directly(two_shards: Path) -> None:
         Checkpoint.open(fifo)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(60)
 def test_index_itself_a_fifo_or_directory(tmp_path: Path) -> None:
     fifo_root = tmp_path / "fifo"
     shard(fifo_root, "a.safetensors", ["x"])

@@ -30,7 +30,15 @@ from asyncslab import _copy as copy_module
 from asyncslab._format import gc_paused
 from asyncslab._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
-from tests.helpers import assert_bit_identical, io_threads, loop_errors, open_fds, slow_reads
+from tests.helpers import (
+    HANG_S,
+    assert_bit_identical,
+    io_threads,
+    loop_errors,
+    open_fds,
+    slow_reads,
+    until,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -38,15 +46,28 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=0, io_workers=4)
 
 
-def failing_first_read(monkeypatch: pytest.MonkeyPatch, *, others_take: float) -> None:
+def failing_first_read(
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    others_take: float = 0.0,
+    hold: threading.Event | None = None,
+) -> None:
     """The first read of the process fails at once; every other read takes ``others_take``
-    seconds more, so that reads are still in their threads when the failure is reported."""
+    seconds more. Given ``hold``, the first read fails only once another is in its thread,
+    and every other read waits for ``hold`` to be set: reads are then still in their threads
+    when the failure is reported, whatever the scheduler does."""
     calls = itertools.count()
+    other_started = threading.Event()
 
     def read(*args: Any, **kwargs: Any) -> int:
         if next(calls) == 0:
             time.sleep(0.02)
+            if hold is not None:
+                assert other_started.wait(HANG_S)
             raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
+        other_started.set()
+        if hold is not None:
+            assert hold.wait(HANG_S)
         time.sleep(others_take)
         return pread_scatter(*args, **kwargs)
 
@@ -60,10 +81,10 @@ async def test_concurrent_acloses_free_the_slabs_only_once_no_read_is_left(
     # second used to find no task and free the slabs at once, under running reads (a tensor
     # allocated next received their bytes).
     ckpt = Checkpoint.open(small_checkpoint.root)
-    slow_reads(monkeypatch, 0.1)
+    in_flight = slow_reads(monkeypatch, 0.1)
     slabs = SlabSet(plan(ckpt))
     task = slabs.start(ckpt, options=SMALL)
-    await asyncio.sleep(0.05)  # reads in flight
+    await until(in_flight.is_set)  # a read is in flight (a fixed sleep only hoped so)
     seen: list[tuple[bool, list[str]]] = []
 
     async def close() -> None:
@@ -82,8 +103,13 @@ async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
     # ready() reports a failure while that load still drains its threads; a retry is started
     # and the server shuts down before the retry's first step. aclose() used to wait for the
     # retry only, freeing the slabs under the failed load's reads.
+    # The failed load's other reads are held until the retry has been cancelled and the
+    # loop has gone round a few times more: an aclose() that waited for the retry only has
+    # returned by then, with those reads still out (a fixed 0.3 s read left that race to
+    # the scheduler).
     ckpt = Checkpoint.open(small_checkpoint.root)
-    failing_first_read(monkeypatch, others_take=0.3)
+    hold = threading.Event()
+    failing_first_read(monkeypatch, hold=hold)
     slabs = SlabSet(plan(ckpt))
     failed = slabs.start(ckpt, options=SMALL)
     with pytest.raises(asyncslab.IncompleteLoadError) as info:
@@ -91,7 +117,18 @@ async def test_aclose_right_after_a_retry_waits_for_the_failed_load_to_drain(
     assert isinstance(info.value.__cause__, asyncslab.errors.ReadError)
     assert not failed.done()  # still draining
     retry = slabs.start(ckpt, options=SMALL)
+
+    async def release_once_the_retry_is_gone() -> None:
+        try:
+            await until(retry.done)
+            for _ in range(20):
+                await asyncio.sleep(0)
+        finally:
+            hold.set()
+
+    releaser = asyncio.ensure_future(release_once_the_retry_is_gone())
     await slabs.aclose()
+    await releaser
     assert failed.done()
     assert io_threads() == []
     assert retry.cancelled()
@@ -109,7 +146,7 @@ async def test_aclose_from_a_unit_callback_is_refused_instead_of_waiting_for_its
     async def on_unit(unit: str, s: SlabSet) -> None:
         await s.aclose()
 
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(HANG_S / 2):  # a hang guard
         with pytest.raises(asyncslab.LoadError, match="from an on_unit_ready callback"):
             await slabs.load(ckpt, options=SMALL, on_unit_ready=on_unit)
     assert slabs.state == "failed"
@@ -327,7 +364,9 @@ async def test_cancelled_ready_callers_leave_no_waiter_behind(
     slabs = SlabSet(plan(ckpt))
     task = slabs.start(ckpt, options=replace(SMALL, max_bytes_per_s=200_000))
     cancelled = [asyncio.ensure_future(slabs.ready()) for _ in range(5)]
-    await asyncio.sleep(0.01)
+    # Cancelled mid-wait: once each has registered its waiter (not after a fixed sleep).
+    await until(lambda: sum(len(w) for w in slabs._tracker._waiters.values()) == 5)
+    assert not any(w.done() for w in cancelled)
     for waiter in cancelled:
         waiter.cancel()
     await asyncio.gather(*cancelled, return_exceptions=True)
@@ -474,10 +513,11 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
                 raise RuntimeError("injected")
 
         kwargs["progress"] = progress
-    elif how == "read error" and transfer == "direct":
+    in_flight = threading.Event()  # a read (or copy) is in its thread
+    if how == "read error" and transfer == "direct":
         failing_first_read(monkeypatch, others_take=0.02)
     elif transfer == "direct":
-        slow_reads(monkeypatch, 0.1)
+        in_flight = slow_reads(monkeypatch, 0.1)
     else:
         # Staged and mapped reads land through a copy: fail the first, slow the others.
         calls = itertools.count()
@@ -486,6 +526,7 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
         def slow_copy(*args: Any) -> None:
             if next(calls) == 0 and how == "read error":
                 raise OSError(5, "injected EIO")
+            in_flight.set()
             time.sleep(0.1)
             copy(*args)
 
@@ -496,14 +537,14 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
         backing = weakref.ref(slabs._backing)
         if how == "start":
             task = slabs.start(ckpt, **kwargs)
-            await asyncio.sleep(0.05)
+            await until(in_flight.is_set)  # cancelled mid-load, not after a fixed sleep
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             del task
         elif how == "cancelled":
             load = asyncio.ensure_future(slabs.load(ckpt, **kwargs))
-            await asyncio.sleep(0.05)
+            await until(in_flight.is_set)
             load.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await load
@@ -588,8 +629,9 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
         await slabs.load(ckpt, options=SMALL)
         assert_bit_identical(slabs, ckpt)
         del slabs
-        await asyncio.sleep(0.05)
-        assert backing() is None
+        # Freed by reference counts alone (the collector is off) once the failed load's
+        # last thread result has been run by the loop: awaited, not given a fixed 50 ms.
+        await until(lambda: backing() is None)
 
 
 async def test_a_failed_loads_error_keeps_the_locals_of_the_frames_it_went_through(
@@ -637,13 +679,18 @@ async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
     written_a = write_synthetic(tmp_path / "a", spec)
     written_b = write_synthetic(tmp_path / "b", spec)
     calls = itertools.count()
+    # B's other reads are held until A's load has failed: B surely drains while A fails (a
+    # fixed 0.5 s read left that to the scheduler), and B's first read fails only once
+    # another of them is in its thread.
+    b_other_started, b_hold = threading.Event(), threading.Event()
 
     def read(*args: Any, **kwargs: Any) -> int:
         if str(kwargs["path"]).startswith(str(written_b.root)):
             if next(calls) == 0:
-                time.sleep(0.02)
+                assert b_other_started.wait(HANG_S)
                 raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
-            time.sleep(0.5)  # B's other reads: B drains while A fails
+            b_other_started.set()
+            assert b_hold.wait(HANG_S)
         return pread_scatter(*args, **kwargs)
 
     monkeypatch.setattr(copy_module, "pread_scatter", read)
@@ -679,8 +726,11 @@ async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
         with pytest.raises(asyncslab.LoadError, match="base weights unavailable"):
             await a_slabs.load(a_ckpt, options=SMALL, on_unit_ready=unit_ready)
         await a_slabs.aclose()
+        assert not b_hold.is_set()
+        assert thread.is_alive()  # B was still draining meanwhile
     finally:
-        await asyncio.to_thread(thread.join, 30)
+        b_hold.set()
+        await asyncio.to_thread(thread.join, HANG_S)
         b_loop.close()
     assert len(ended) == 1
     assert isinstance(ended[0], asyncslab.errors.ReadError), repr(ended[0])
@@ -706,7 +756,7 @@ async def test_a_unit_callback_that_returned_keeps_its_frame(
 
 
 async def test_a_paced_load_reads_nothing_before_its_pace_allows_and_closes_at_once(
-    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+    small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """``max_bytes_per_s`` holds each read back until the bytes up to its end are due at
     that rate: at 1 byte/s no read of a 300 KB load may start for hours. Guards against the
@@ -714,19 +764,28 @@ async def test_a_paced_load_reads_nothing_before_its_pace_allows_and_closes_at_o
     all), and against a thread waiting for its pace that aclose() cannot wake (a shutdown
     hanging for the whole delay)."""
     ckpt = Checkpoint.open(small_checkpoint.root)
+    # The same checkpoint under another root, loaded unpaced meanwhile: how long "meanwhile"
+    # is comes from a whole load having happened beside the paced one, not from a fixed
+    # 0.2 s that a loaded machine may spend before the paced load's first step.
+    shutil.copytree(small_checkpoint.root, tmp_path / "unpaced")
+    unpaced = Checkpoint.open(tmp_path / "unpaced")
     reads: list[str] = []
 
     def counting(*args: Any, **kwargs: Any) -> int:
-        reads.append(kwargs["path"])
+        if not str(kwargs["path"]).startswith(str(unpaced.root)):
+            reads.append(kwargs["path"])
         return pread_scatter(*args, **kwargs)
 
     monkeypatch.setattr(copy_module, "pread_scatter", counting)
     slabs = SlabSet(plan(ckpt))
     task = slabs.start(ckpt, options=replace(SMALL, max_bytes_per_s=1.0))
-    await asyncio.sleep(0.2)  # unpaced, the whole load lands in this time
+    await asyncio.sleep(0)  # the paced load's first step: its reads are scheduled
+    async with SlabSet(plan(unpaced)) as beside:
+        await beside.load(unpaced, options=SMALL)  # unpaced, the whole load lands
+        assert beside.complete
     stats = slabs.statistics()
     assert (stats.state, stats.reads, stats.bytes_landed, reads) == ("loading", 0, 0, [])
-    async with asyncio.timeout(10):  # a hang guard: the close must not wait for the pace
+    async with asyncio.timeout(HANG_S / 2):  # a hang guard: the close must not wait for the pace
         await slabs.aclose()
     assert task.cancelled()
     assert io_threads() == []

@@ -29,6 +29,7 @@ from asyncslab._read import Scatter, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (
+    HANG_S,
     assert_bit_identical,
     io_threads,
     loop_errors,
@@ -36,6 +37,7 @@ from tests.helpers import (
     raw_bytes,
     slow_reads,
     staging_released,
+    wait_io_threads_gone,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -288,11 +290,19 @@ async def test_cancel_mid_load_leaks_nothing_and_retry_succeeds(
     p = plan(ckpt)
     fds_before, threads_before = open_fds(), len(io_threads())
     slabs = SlabSet(p)
-    slow_reads(monkeypatch, 0.02)
-    task = slabs.start(ckpt, options=LoadOptions(read_size=8 << 10, coalesce_gap=0, io_workers=2))
-    while slabs.statistics().tensors_landed == 0:
-        await asyncio.sleep(0.005)
-    task.cancel()
+
+    # Cancelled from the progress callback of the first landing: surely mid-load, and
+    # nothing lands after a cancel. Polling for the first landing let the loop land on
+    # meanwhile, as much as a loaded machine made the poll late.
+    def cancel_at_first_landing(stats: asyncslab.LoadStatistics) -> None:
+        if stats.tensors_landed and not task.cancelling():
+            task.cancel()
+
+    task = slabs.start(
+        ckpt,
+        options=LoadOptions(read_size=8 << 10, coalesce_gap=0, io_workers=2, progress_interval=0),
+        progress=cancel_at_first_landing,
+    )
     with pytest.raises(asyncio.CancelledError):
         await task
     stats = slabs.statistics()
@@ -429,10 +439,9 @@ async def test_stalled_read_times_out_and_marks_slabs_unusable(
     with pytest.raises(asyncslab.LoadError, match="cannot be reused"):
         await slabs.load(ckpt)
     await slabs.aclose()
-    for _ in range(200):  # the stalled reads end on their own
-        if not io_threads():
-            break
-        await asyncio.sleep(0.01)
+    # The stalled reads end on their own: wait for that (a hang guard, not a 2 s budget),
+    # so that no thread of this test is still out when the next one counts threads.
+    assert await wait_io_threads_gone() == []
 
 
 @pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
@@ -468,25 +477,42 @@ async def test_closed_slabset(moe_checkpoint: SyntheticCheckpoint) -> None:
         slabs.slab(next(iter(slabs.plan.slabs)))
 
 
-async def test_event_loop_stays_responsive(tmp_path: Path) -> None:
+async def test_event_loop_stays_responsive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     written = write_synthetic(tmp_path, asyncslab._synthetic.spec_for_size(48 << 20))
     ckpt = Checkpoint.open(written.root)
     p = plan(ckpt)
     lags: list[float] = []
     done = asyncio.Event()
+    ticked = threading.Event()  # the ticker had two turns
 
     async def ticker() -> None:
         while not done.is_set():
             start = time.perf_counter()
             await asyncio.sleep(0.001)
             lags.append(time.perf_counter() - start - 0.001)
+            if len(lags) >= 2:
+                ticked.set()
 
+    # The loop kept running while bytes moved: the first read waits in its thread until
+    # the ticker has had two turns, which only a loop not blocked by the load can give it
+    # (counting the turns a load happened to last depended on how fast the machine was).
+    first = threading.Lock()
+    waited: list[bool] = []
+
+    def after_two_ticks(*args: Any, **kwargs: Any) -> int:
+        if first.acquire(blocking=False):
+            waited.append(ticked.wait(HANG_S))
+        return pread_scatter(*args, **kwargs)
+
+    monkeypatch.setattr(copy_module, "pread_scatter", after_two_ticks)
     tick = asyncio.create_task(ticker())
     slabs = await load(ckpt, p)
     done.set()
     await tick
     assert_bit_identical(slabs, ckpt)
-    # The loop kept running while bytes moved: the ticker got turns during the load.
+    assert waited == [True]  # the ticker got turns during the load
     assert len(lags) >= 2
     lags.sort()
     print(

@@ -35,6 +35,7 @@ from asyncslab._schedule import ReadOp, windows
 from asyncslab.testing import SyntheticCheckpoint
 from tests.helpers import (
     CANCEL_MODES,
+    HANG_S,
     assert_bit_exact,
     assert_bit_identical,
     cancel_somewhere,
@@ -91,7 +92,7 @@ class RecordingRegistry(_mapped.PopulateRegistry):
         if first and self.hold_first:
             # Bounded: with one thread only, no second window ever comes, and the test's
             # most_live assertion says so.
-            self._second.wait(timeout=10)
+            self._second.wait(timeout=HANG_S)
 
     def unregister(self, address: int) -> None:
         with self.lock:
@@ -344,7 +345,7 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
                 if first:
                     stuck_at.append(address)
             if first:
-                release.wait(10)
+                release.wait(HANG_S)
                 # Reading the page now would kill the process had it been unmapped.
                 ctypes.c_ubyte.from_address(address).value  # noqa: B018
                 woke.append(address)
@@ -362,7 +363,7 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
     assert mapped_shards(ckpt) != []
     assert backing() is not None
     release.set()
-    assert await wait_io_threads_gone(5.0) == []
+    assert await wait_io_threads_gone() == []
     assert len(woke) == 1
     assert stuck.live == {}
     assert await released(lambda: mapped_shards(ckpt) != [])

@@ -31,29 +31,28 @@ pytestmark = pytest.mark.timeout(60)
 # One thread, many small reads: the reads before a stalled one have all landed when it stalls.
 ONE_BY_ONE = LoadOptions(read_size=4 << 10, coalesce_gap=0, io_workers=1, progress_interval=0.1)
 STAGED = replace(ONE_BY_ONE, transfer="staged", staging_bytes=4 << 10, staging_buffers=1)
-STALL = 1.0
+HANG_S = 60.0  # a hang guard only
 
 
 class Stall:
-    """The fifth read of a load waits ``STALL`` seconds (or fails, ``fail=True``); records
-    the bytes the reads before it returned and when it stalled."""
+    """The fifth read of a load stalls until the test calls :meth:`release` (or fails,
+    ``fail=True``); records the bytes the reads before it returned. The stall lasts until
+    the test has seen what it waits for, not a fixed second that a loaded machine may
+    spend elsewhere."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, *, fail: bool = False) -> None:
         self.before: list[int] = []
-        self.started: float | None = None
-        self.ended: float | None = None
         self._reached = threading.Event()
+        self._release = threading.Event()
         calls = itertools.count()
 
         def read(*args: Any, **kwargs: Any) -> int:
             i = next(calls)
             if i == 4:
-                self.started = time.perf_counter()
                 self._reached.set()
                 if fail:
                     raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
-                time.sleep(STALL)
-                self.ended = time.perf_counter()
+                assert self._release.wait(HANG_S), "the stall was never released"
             n = pread_scatter(*args, **kwargs)
             if i < 4:
                 self.before.append(n)
@@ -61,8 +60,16 @@ class Stall:
 
         monkeypatch.setattr(copy_module, "pread_scatter", read)
 
+    @property
+    def stalled(self) -> bool:
+        """The fifth read is in its thread and not yet released."""
+        return self._reached.is_set() and not self._release.is_set()
+
+    def release(self) -> None:
+        self._release.set()
+
     async def reached(self) -> None:
-        await asyncio.to_thread(self._reached.wait)
+        assert await asyncio.to_thread(self._reached.wait, HANG_S)
 
 
 def recorder() -> tuple[list[tuple[float, LoadStatistics]], Callable[[LoadStatistics], None]]:
@@ -82,13 +89,27 @@ async def test_the_latest_figures_go_out_while_a_read_stalls(
     # read (1.6 % shown while 44.6 % had landed, in the probe that found it).
     ckpt = Checkpoint.open(small_checkpoint.root)
     stall = Stall(monkeypatch)
-    seen, progress = recorder()
+    seen, record = recorder()
+    stalled: list[LoadStatistics] = []  # the calls made while the read stalled
+
+    def current(s: LoadStatistics) -> bool:
+        return s.bytes_read == sum(stall.before)
+
+    def progress(stats: LoadStatistics) -> None:
+        record(stats)
+        if stall.stalled:
+            stalled.append(stats)
+            # Released once four calls came with the figures of every read before the
+            # stall: with the bug (no call during a stall, or stale figures) it never is.
+            if sum(map(current, stalled)) >= 4:
+                stall.release()
+
     async with SlabSet(plan(ckpt)) as slabs:
         await slabs.load(ckpt, options=options, progress=progress)
-    assert stall.started is not None
-    assert stall.ended is not None
-    # From 0.3 s into the stall: the four reads before it landed long before.
-    during = [s for t, s in seen if stall.started + 0.3 < t < stall.ended]
+    # From the first call with the four earlier reads counted (a call already queued when
+    # the last of them landed may come before it), as the old 0.3 s into the stall did.
+    first = next(i for i, s in enumerate(stalled) if current(s))
+    during = stalled[first:]
     assert len(during) >= 3  # at every interval, not once
     assert {s.bytes_read for s in during} == {sum(stall.before)}
     assert {s.state for s in during} == {"loading"}
@@ -135,6 +156,7 @@ async def test_the_last_call_says_how_the_load_ended(
         if how == "cancelled":
             await stall.reached()
             task.cancel()
+            stall.release()  # the drain waits for it; a cancelled load lands nothing more
         expected = asyncio.CancelledError if how == "cancelled" else asyncslab.errors.ReadError
         with pytest.raises(expected):
             await task
@@ -175,11 +197,15 @@ async def test_a_callback_failing_between_landings_fails_the_load(
     # landing: the error must still end the load, as one raised on a landing does.
     ckpt = Checkpoint.open(small_checkpoint.root)
     stall = Stall(monkeypatch)
-    calls: list[float] = []
+    calls: list[tuple[bool, int]] = []  # (stalled, bytes_read) of each call
 
     def progress(stats: LoadStatistics) -> None:
-        calls.append(time.perf_counter())
-        if stall.started is not None and calls[-1] > stall.started + 0.3:
+        calls.append((stall.stalled, stats.bytes_read))
+        # A call during the stall with the same figures as the call before it, also during
+        # the stall: nothing landed in between, so the interval's timer made it (the old
+        # test took any call 0.3 s into a one-second stall for one).
+        if len(calls) >= 2 and calls[-2] == calls[-1] == (True, sum(stall.before)):
+            stall.release()  # the failed load's drain waits for the stalled read
             raise ValueError("display gone")
 
     async with SlabSet(plan(ckpt)) as slabs:

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from asyncslab import Checkpoint, Dense, LoadOptions, SlabSet, plan
 from asyncslab import _read as read_module
 from asyncslab._read import IoPool, pread_scatter, scatter
-from tests.helpers import assert_bit_identical
+from tests.helpers import HANG_S, assert_bit_identical
 
 PIECES = 2500
 
@@ -90,7 +90,7 @@ async def test_thousands_of_tiny_tensors_in_one_file_load_exactly(tmp_path: Path
     ckpt = Checkpoint.open(tmp_path)
     p = plan(ckpt, [Dense()])
     async with SlabSet(p) as slabs:
-        await asyncio.wait_for(slabs.load(ckpt, options=LoadOptions(io_workers=1)), 10)
+        await asyncio.wait_for(slabs.load(ckpt, options=LoadOptions(io_workers=1)), HANG_S)
         stats = slabs.statistics()
         assert stats.reads == 1  # one read: every tensor's piece in it
         assert assert_bit_identical(slabs, ckpt) == count
@@ -106,7 +106,7 @@ async def test_drain_drops_queued_calls() -> None:
 
     def blocking() -> str:
         started.set()
-        assert release.wait(5)
+        assert release.wait(HANG_S)
         return "first"
 
     def queued() -> str:
@@ -116,12 +116,12 @@ async def test_drain_drops_queued_calls() -> None:
     first = asyncio.ensure_future(pool.run(blocking))
     second = asyncio.ensure_future(pool.run(queued))
     try:
-        assert await asyncio.to_thread(started.wait, 5)  # the one thread is busy
-        drain = asyncio.ensure_future(pool.drain(5))
+        assert await asyncio.to_thread(started.wait, HANG_S)  # the one thread is busy
+        drain = asyncio.ensure_future(pool.drain(HANG_S))
         await asyncio.sleep(0)  # drain has cancelled what it could and now waits
         assert not drain.done()
         release.set()
-        assert await asyncio.wait_for(drain, 5) is True
+        assert await asyncio.wait_for(drain, HANG_S) is True
         assert await first == "first"
         with pytest.raises(asyncio.CancelledError):
             await second
@@ -129,5 +129,5 @@ async def test_drain_drops_queued_calls() -> None:
         release.set()
         # The thread takes queued items in order: once it has exited, the queued call's
         # turn has come and gone.
-        await asyncio.wait_for(pool.close(wait=True), 5)
+        await asyncio.wait_for(pool.close(wait=True), HANG_S)
     assert ran == []

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from asyncslab import _read as read_module
 from asyncslab._read import ReadFeed, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import slow_reads
+from tests.helpers import HANG_S, slow_reads
 
 
 def regions_in(
@@ -287,7 +288,12 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
 
     def stall_one(fd: int, target: read_module.Scatter, offset: int, *, path: str) -> int:
         if offset == victim.offset and path == str(p.files[victim.file].path):
-            release.wait(10)
+            # Stall only once the other thread has gone on past this read: that it did is
+            # then a fact of the run, not a race between it and the timeout's clock.
+            deadline = time.monotonic() + HANG_S
+            while len(done) <= len(ops) // 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            release.wait(HANG_S)
         n = real(fd, target, offset, path=path)
         done.append(offset)
         return n

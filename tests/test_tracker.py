@@ -22,7 +22,7 @@ from asyncslab._read import pread_scatter
 from asyncslab._tracker import Tracker
 from asyncslab.rules import Claim, SlabSpec
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import assert_bit_identical
+from tests.helpers import HANG_S, assert_bit_identical
 
 try:
     import uvloop
@@ -60,9 +60,9 @@ async def test_a_unit_without_routes_is_ready(tmp_path: Path) -> None:
     async with SlabSet(p) as slabs:
         task = slabs.start(ckpt, options=SMALL)
         # Waiting before the load's first step: the wait must be woken, not just pass.
-        await asyncio.wait_for(slabs.ready("spare"), 2)
-        assert await asyncio.wait_for(task, 5) is slabs
-        await asyncio.wait_for(slabs.ready("spare"), 2)
+        await asyncio.wait_for(slabs.ready("spare"), HANG_S)
+        assert await asyncio.wait_for(task, HANG_S) is slabs
+        await asyncio.wait_for(slabs.ready("spare"), HANG_S)
         assert slabs.complete
         assert slabs.slab("spare.slots").shape == (0, 4)
         assert_bit_identical(slabs, ckpt)
@@ -96,7 +96,7 @@ async def test_incomplete_unit_blames_only_tensors_that_did_not_land(
         if args[2] == lost_offset:
             # Fail only once the first read has landed (its landing is queued to the loop
             # after the read returns; a failure seen first would stop it from landing).
-            assert first_landed.wait(5)
+            assert first_landed.wait(HANG_S)
             raise asyncslab.errors.ReadError("injected EIO", file=kwargs["path"])
         return pread_scatter(*args, **kwargs)
 
@@ -105,7 +105,7 @@ async def test_incomplete_unit_blames_only_tensors_that_did_not_land(
     options = LoadOptions(io_workers=1, read_size=4096, coalesce_gap=0, progress_interval=0)
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.errors.ReadError, match="injected EIO"):
-            await asyncio.wait_for(slabs.load(ckpt, options=options, progress=progress), 5)
+            await asyncio.wait_for(slabs.load(ckpt, options=options, progress=progress), HANG_S)
         assert slabs.statistics().tensors_landed == 1
         with pytest.raises(asyncslab.IncompleteLoadError) as info:
             slabs.view(arrived)
@@ -116,7 +116,7 @@ async def test_incomplete_unit_blames_only_tensors_that_did_not_land(
         assert info.value.details["landed"] == 1
         assert info.value.details["total"] == 2
         with pytest.raises(asyncslab.IncompleteLoadError) as waited:
-            await asyncio.wait_for(slabs.ready("layers.0"), 2)
+            await asyncio.wait_for(slabs.ready("layers.0"), HANG_S)
         assert arrived not in str(waited.value)
 
 
@@ -169,7 +169,7 @@ def test_a_waiter_of_a_closed_loop_does_not_break_the_next_load(
         for index, route in enumerate(p.routes):
             tracker.land(index, route.nbytes)  # raised "Event loop is closed"
         assert all(tracker.is_complete(u) for u in p.units)
-        await asyncio.wait_for(tracker.wait(unit), 1)
+        await asyncio.wait_for(tracker.wait(unit), HANG_S)
 
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(load_again())
@@ -204,6 +204,6 @@ async def test_a_zero_byte_tensor_landing_twice_is_an_error(
     monkeypatch.setattr(_direct, "schedule", doubled)
     async with SlabSet(p) as slabs:
         with pytest.raises(asyncslab.DuplicateLandingError, match="landed twice") as info:
-            await asyncio.wait_for(slabs.load(ckpt, options=LoadOptions(io_workers=1)), 5)
+            await asyncio.wait_for(slabs.load(ckpt, options=LoadOptions(io_workers=1)), HANG_S)
         assert info.value.tensor == empty
         assert slabs.state == "failed"
