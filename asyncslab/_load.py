@@ -458,7 +458,7 @@ async def _watch(
     been in flight for ``limit`` seconds. Wakes only when the oldest read would expire."""
     while True:
         oldest = feed.oldest()
-        now = time.perf_counter()
+        now = feed.now()
         if oldest is not None and now - oldest[0] >= limit:
             op = ops[oldest[1]]
             raise ReadTimeoutError(

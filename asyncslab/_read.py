@@ -42,6 +42,7 @@ __all__ = [
     "pread_scatter",
     "byte_view",
     "retrieve",
+    "watch_clock",
 ]
 
 T = TypeVar("T")
@@ -371,6 +372,14 @@ class IoPool:
         joiner.join()
 
 
+def watch_clock() -> float:
+    """The clock that times reads in flight against ``read_timeout``: ``perf_counter``.
+    Tests replace it, so that whether a read took too long is their decision, not the
+    machine's (``test_timeout_names_the_stalled_read_while_others_finished``). Pacing keeps
+    real time."""
+    return time.perf_counter()
+
+
 class ReadFeed:
     """The reads of one load, for I/O threads that take the next one themselves.
 
@@ -422,13 +431,18 @@ class ReadFeed:
         delay = due - time.perf_counter()
         if delay > 0 and self._stop.wait(delay):
             return None
-        self._since[worker] = (time.perf_counter(), index)
+        self._since[worker] = (watch_clock(), index)
         return index
 
     def finished(self, worker: int) -> None:
         self._since[worker] = None
 
+    @staticmethod
+    def now() -> float:
+        """The time on the clock that :meth:`oldest` is stamped with."""
+        return watch_clock()
+
     def oldest(self) -> tuple[float, int] | None:
-        """``(perf_counter() when it started, index)`` of the read longest in flight."""
+        """``(now() when it started, index)`` of the read longest in flight."""
         times = [since for since in list(self._since) if since is not None]
         return min(times) if times else None

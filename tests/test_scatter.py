@@ -26,7 +26,7 @@ from asyncslab import _read as read_module
 from asyncslab._read import ReadFeed, pread_scatter, scatter
 from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import HANG_S, slow_reads
+from tests.helpers import HANG_S
 
 
 def regions_in(
@@ -254,15 +254,15 @@ def test_feed_tracks_reads_in_flight_and_stops() -> None:
 
 
 def test_stop_interrupts_a_paced_wait() -> None:
-    # 1 byte/s: the second read is due in about a minute, so take() waits...
-    feed = ReadFeed([1, 1], 1, max_bytes_per_s=1.0)
+    # 1 byte/s: the read of 10,000 bytes is due in hours, so take() waits...
+    feed = ReadFeed([10_000], 1, max_bytes_per_s=1.0)
     result: list[int | None] = []
     worker = threading.Thread(target=lambda: result.append(feed.take(0)))
     worker.start()
     worker.join(0.2)
     assert worker.is_alive()
     feed.stop()  # ...until the load stops: then no read, at once
-    worker.join(10)
+    worker.join(HANG_S)
     assert not worker.is_alive()
     assert result == [None]
 
@@ -286,13 +286,22 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
     real: Callable[..., int] = _copy.pread_scatter
     done: list[int] = []
 
+    # The watch's clock stands still until the victim stalls, so no read but the victim is
+    # ever late, however slow this machine is.
+    now = [0.0]
+    monkeypatch.setattr(read_module, "watch_clock", lambda: now[0])
+
     def stall_one(fd: int, target: read_module.Scatter, offset: int, *, path: str) -> int:
         if offset == victim.offset and path == str(p.files[victim.file].path):
             # Stall only once the other thread has gone on past this read: that it did is
-            # then a fact of the run, not a race between it and the timeout's clock.
+            # then a fact of the run, not a race between it and the timeout.
             deadline = time.monotonic() + HANG_S
             while len(done) <= len(ops) // 2 and time.monotonic() < deadline:
                 time.sleep(0.001)
+            # Time passes now, all at once. Every read started so far has the same stamp;
+            # the other thread's read in flight was taken after the victim (one cursor for
+            # every thread), so the oldest of those stamped alike is the victim.
+            now[0] = 100.0
             release.wait(HANG_S)
         n = real(fd, target, offset, path=path)
         done.append(offset)
@@ -315,16 +324,39 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
 async def test_slow_but_steady_reads_do_not_time_out(
     moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Each read takes 20 ms, the load far longer than read_timeout: only a single read
-    # over the limit is a timeout, not the sum of them.
+    # On the watch's clock each read takes 20 ms, one at a time, and the load far longer
+    # than read_timeout: only a single read over the limit is a timeout, not the sum of them.
+    from asyncslab import _copy
+
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
-    slow_reads(monkeypatch, 0.02)
-    options = LoadOptions(read_size=16 << 10, read_timeout=1.0, io_workers=2)
+    limit = 1.0
+    now = [0.0]  # moves only inside reads, so a busy machine cannot make a read late
+    loop_thread = threading.current_thread()
+    watched = threading.Event()  # the watch looked, with the load already long past limit
+
+    def clock() -> float:
+        if threading.current_thread() is loop_thread and now[0] > 2 * limit:
+            watched.set()
+        return now[0]
+
+    monkeypatch.setattr(read_module, "watch_clock", clock)
+    real: Callable[..., int] = _copy.pread_scatter
+
+    def steady(fd: int, target: read_module.Scatter, offset: int, *, path: str) -> int:
+        now[0] += 0.02
+        if now[0] > 2 * limit:
+            watched.wait(HANG_S)  # a read in flight while the watch looks
+        return real(fd, target, offset, path=path)
+
+    monkeypatch.setattr(_copy, "pread_scatter", steady)
+    options = LoadOptions(read_size=16 << 10, read_timeout=limit, io_workers=1)
     slabs = await asyncslab.load(ckpt, p, options=options)
     stats = slabs.statistics()
-    assert stats.reads * 0.02 / 2 > 2 * options.read_timeout
     assert stats.state == "complete"
+    assert watched.is_set()
+    assert now[0] == pytest.approx(stats.reads * 0.02)
+    assert now[0] > 2 * limit
     await slabs.aclose()
 
 
