@@ -38,8 +38,10 @@ if str(EXAMPLES) not in sys.path:
 import moe_block  # noqa: E402
 
 SIZE = 8 << 20
-# 64 KiB reads of an 8 MiB checkpoint: ~150 reads over 4 workers, so >1 s at 30 ms a read.
-RATE_MB_PER_S = 8  # an 8 MiB checkpoint loads in about a second
+RATE_MB_PER_S = 8  # an 8 MiB checkpoint loads in about a second, in 64 KiB reads
+# A held server (tests/held_server.py) reads this many before it waits for the test: at
+# most 512 KiB of the 8 MiB land, so a test sees the load under way, below 10 %.
+HOLD_AFTER_READS = 8
 # Hang guards only: a correct run on a loaded machine (a torch import on a busy core takes
 # a while) is far within them.
 UP_TIMEOUT = 60.0  # process start (torch import) until /health answers
@@ -78,7 +80,7 @@ class Server:
     could fill up and stall the server)."""
 
     def __init__(self, proc: subprocess.Popen[bytes], url: str, out: Path, err: Path) -> None:
-        self.proc = proc
+        self.proc = proc  # stdin a pipe for a held server, else none
         self.url = url
         self.out_path = out
         self.err_path = err
@@ -94,6 +96,12 @@ class Server:
     def describe(self) -> str:
         return f"--- server stdout ---\n{self.stdout}\n--- server stderr ---\n{self.stderr}"
 
+    def release(self) -> None:
+        """Let a held server's load go on."""
+        assert self.proc.stdin is not None, "not a held server"
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+
     def wait_exit(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout=timeout)
@@ -103,13 +111,25 @@ class Server:
 
 @contextmanager
 def run_server(
-    checkpoint: Path, tmp_path: Path, *, rate_mb_per_s: float = RATE_MB_PER_S, loop: str = "uvloop"
+    checkpoint: Path,
+    tmp_path: Path,
+    *,
+    rate_mb_per_s: float = RATE_MB_PER_S,
+    loop: str = "uvloop",
+    held: bool = False,
 ) -> Iterator[Server]:
+    """The server; ``held``: its load waits after HOLD_AFTER_READS reads for
+    :meth:`Server.release` (or its shutdown)."""
     port = free_port()
     out, err = tmp_path / f"server-{port}.out", tmp_path / f"server-{port}.err"
+    script = (
+        [str(ROOT / "tests" / "held_server.py"), str(HOLD_AFTER_READS)]
+        if held
+        else [str(EXAMPLES / "server.py")]
+    )
     cmd = [
         sys.executable,
-        str(EXAMPLES / "server.py"),
+        *script,
         "--checkpoint",
         str(checkpoint),
         "--host",
@@ -122,7 +142,8 @@ def run_server(
         loop,
     ]
     with out.open("wb") as fout, err.open("wb") as ferr:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fout, stderr=ferr)
+        stdin = subprocess.PIPE if held else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=stdin, stdout=fout, stderr=ferr)
     server = Server(proc, f"http://127.0.0.1:{port}", out, err)
     try:
         yield server
@@ -130,6 +151,8 @@ def run_server(
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=EXIT_TIMEOUT)
+        if proc.stdin is not None:
+            proc.stdin.close()
 
 
 def check_health(status: int, body: Any) -> dict[str, Any]:
@@ -170,18 +193,23 @@ def wait_up(client: httpx.Client, server: Server) -> tuple[int, dict[str, Any], 
     pytest.fail(f"server did not answer /health within {UP_TIMEOUT} s\n{server.describe()}")
 
 
-def wait_mid_load(client: httpx.Client, server: Server, fraction: float) -> dict[str, Any]:
-    """Poll until the load is under way but below ``fraction`` of its bytes."""
+def wait_mid_load(
+    client: httpx.Client, server: Server, answers: list[tuple[int, dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """Poll a held server until its load is under way: some bytes landed, the rest held."""
+    answers = [] if answers is None else answers
     status, body, _ = wait_up(client, server)
+    answers.append((status, body))
     deadline = time.monotonic() + LOAD_TIMEOUT
-    while time.monotonic() < deadline:
-        if status == 503 and 0 < body["bytes_done"] < fraction * body["bytes_total"]:
-            return body
-        assert status == 503, f"load got past {fraction:.0%} unobserved: {status} {body}"
+    while not (status == 503 and body["bytes_done"] > 0):
+        assert status == 503, f"a held load is not loading: {status} {body}"
+        assert time.monotonic() < deadline, f"no progress in {LOAD_TIMEOUT} s\n{server.describe()}"
         time.sleep(0.01)
         r = client.get("/health")
         status, body = r.status_code, check_health(r.status_code, r.json())
-    pytest.fail(f"no progress within {LOAD_TIMEOUT} s\n{server.describe()}")
+        answers.append((status, body))
+    assert body["bytes_done"] <= HOLD_AFTER_READS * (64 << 10) < body["bytes_total"], body
+    return body
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
@@ -194,13 +222,15 @@ def test_health_during_load_then_forward_matches_old_way(
     p = plan(Checkpoint.open(checkpoint.root))
     layer = min(p.extras["partitions"])
     with (
-        run_server(checkpoint.root, tmp_path, loop=loop) as server,
+        run_server(checkpoint.root, tmp_path, loop=loop, held=True) as server,
         httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client,
     ):
-        status, body, latency = wait_up(client, server)
-        answers = [(status, body)]
-        worst = latency
-        forward_while_loading: httpx.Response | None = None
+        answers: list[tuple[int, dict[str, Any]]] = []
+        wait_mid_load(client, server, answers)
+        # Held under way: /forward must refuse.
+        forward_while_loading = client.post("/forward", json={"tokens": 4})
+        server.release()
+        worst = 0.0
         deadline = time.monotonic() + LOAD_TIMEOUT
         after_ready = 0
         while after_ready < 3:  # a few more polls once ready: 200 must stay 200
@@ -214,13 +244,6 @@ def test_health_during_load_then_forward_matches_old_way(
             body = check_health(r.status_code, r.json())
             answers.append((r.status_code, body))
             after_ready += r.status_code == 200
-            # Early in the load (far from its end, so no race): /forward must refuse.
-            if (
-                forward_while_loading is None
-                and r.status_code == 503
-                and 0 < body["bytes_done"] < 0.5 * body["bytes_total"]
-            ):
-                forward_while_loading = client.post("/forward", json={"tokens": 4})
 
         with capsys.disabled():
             print(
@@ -244,7 +267,6 @@ def test_health_during_load_then_forward_matches_old_way(
         assert {b["bytes_total"] for _, b in answers} == {p.nbytes}
         assert {b["units_total"] for _, b in answers} == {len(p.units)}
 
-        assert forward_while_loading is not None, "never saw the load below 50%"
         assert forward_while_loading.status_code == 503, forward_while_loading.text
         assert forward_while_loading.json()["state"] == "loading"
 
@@ -288,9 +310,9 @@ def test_health_during_load_then_forward_matches_old_way(
 def test_signal_during_load_cancels_cleanly(
     checkpoint: SyntheticCheckpoint, tmp_path: Path, sig: signal.Signals, loop: str
 ) -> None:
-    with run_server(checkpoint.root, tmp_path, loop=loop) as server:
+    with run_server(checkpoint.root, tmp_path, loop=loop, held=True) as server:
         with httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client:
-            wait_mid_load(client, server, 0.5)
+            wait_mid_load(client, server)
         t0 = time.monotonic()
         server.proc.send_signal(sig)
         rc = server.wait_exit(EXIT_TIMEOUT)
@@ -454,12 +476,13 @@ def test_failed_load_reports_500(tmp_path: Path) -> None:
     written = write_synthetic(tmp_path / "ckpt", spec_for_size(SIZE))
     last = written.files[-1]
     with (
-        run_server(written.root, tmp_path) as server,
+        run_server(written.root, tmp_path, held=True) as server,
         httpx.Client(base_url=server.url, timeout=HTTP_TIMEOUT) as client,
     ):
-        wait_mid_load(client, server, 0.3)
+        wait_mid_load(client, server)
         # Truncated after planning, before its tail is read: a short read breaks the load.
         os.truncate(last, last.stat().st_size // 2)
+        server.release()
         deadline = time.monotonic() + LOAD_TIMEOUT
         while True:
             assert time.monotonic() < deadline, server.describe()
