@@ -61,7 +61,7 @@ CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 READ_TURNS = 60
 # Many small reads: every load below takes dozens of awaits, so faults and cancellations
 # land in the middle of it.
-SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
+SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=HANG_S)
 # The same through the staging buffers and copies a GPU target uses (on the CPU here): the
 # same reads, by as many threads.
 SMALL_STAGED = LoadOptions(
@@ -69,7 +69,7 @@ SMALL_STAGED = LoadOptions(
     staging_bytes=3 * (4 << 10),
     staging_buffers=3,
     coalesce_gap=128,
-    read_timeout=10.0,
+    read_timeout=HANG_S,
 )
 PATHS = {"direct": SMALL, "staged": SMALL_STAGED}
 

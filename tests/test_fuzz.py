@@ -42,6 +42,7 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab import AsyncSlabError, Checkpoint, LoadOptions
 from asyncslab.testing import SyntheticSpec, write_synthetic
+from tests.helpers import HANG_S
 
 try:
     import uvloop
@@ -52,7 +53,7 @@ EXAMPLES = int(os.environ.get("ASYNCSLAB_FUZZ_EXAMPLES", "150"))
 INDEX = "model.safetensors.index.json"
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 # Small reads: a load of the ~20 KB base checkpoint still takes dozens of awaits.
-OPTIONS = LoadOptions(read_size=1024, coalesce_gap=64, io_workers=3, read_timeout=10.0)
+OPTIONS = LoadOptions(read_size=1024, coalesce_gap=64, io_workers=3, read_timeout=HANG_S)
 
 
 # --- the valid starting point -----------------------------------------------------------

@@ -50,7 +50,7 @@ MAPPED = LoadOptions(
     transfer="mapped",
     staging_bytes=3 * 2 * mmap.PAGESIZE,
     staging_buffers=3,
-    read_timeout=10.0,
+    read_timeout=HANG_S,
 )
 
 
