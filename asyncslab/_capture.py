@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,6 +115,7 @@ def capture(
     tensor it was given last."""
     recorder = _Recorder(targets)
     given = list(tensors)
+    make = _Reservation(given).take if torch.device(device).type == "cpu" else None
 
     def stand_ins() -> Iterator[tuple[str, torch.Tensor]]:
         for name, dtype, shape in given:
@@ -121,7 +123,10 @@ def capture(
             # Never read, nor written: its pages stay unbacked (virtual memory only). Made
             # outside the mode, which would otherwise see (and pay for) the allocation.
             with _disable_current_modes():
-                tensor = torch.empty(shape, dtype=dtype, device=device)
+                if make is not None:
+                    tensor = make(shape, dtype)
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
             recorder.stand_in(name, tensor)
             recorder.yielded.append(name)
             yield name, tensor
@@ -136,6 +141,31 @@ def capture(
             tensor=recorder.current,
         ) from err
     return recorder.result()
+
+
+class _Reservation:
+    """Host stand-ins carved out of one private anonymous mapping, never touched: one
+    ``mmap`` for all of them instead of one each (and a ``munmap`` each after), a share of
+    recording a model of many tensors. Each stand-in still has a storage of its own
+    (``frombuffer`` at its own offset), which is how the recorder tells them apart."""
+
+    _ALIGN = 64
+
+    def __init__(self, given: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> None:
+        total = sum(self._aligned(math.prod(shape) * dtype.itemsize) for _, dtype, shape in given)
+        self._map = mmap.mmap(-1, max(total, self._ALIGN), flags=mmap.MAP_PRIVATE)
+        self._at = 0
+
+    def _aligned(self, nbytes: int) -> int:
+        return -(-nbytes // self._ALIGN) * self._ALIGN
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=self._at)
+        self._at += self._aligned(count * dtype.itemsize)
+        return flat.view(shape)
 
 
 @dataclass(slots=True)
@@ -181,14 +211,14 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def stand_in(self, name: str, tensor: torch.Tensor) -> None:
         self._keep.append(tensor)
         if tensor.numel():
-            self._origins[tensor.untyped_storage().data_ptr()] = _Origin(
+            self._origins[_storage_ptr(tensor)] = _Origin(
                 (name,), 0, tensor.element_size()
             )
 
     def _origin(self, tensor: Any) -> _Origin | None:
         if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
             return None
-        return self._origins.get(tensor.untyped_storage().data_ptr())
+        return self._origins.get(_storage_ptr(tensor))
 
     def _transform(self, names: Iterable[str], why: str) -> None:
         for name in names:
@@ -235,11 +265,13 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self._count(func)
                 self._copy(dst, src, origin)
                 return dst
+        op = _op(func)
         leaves = _leaves(args, kwargs)
         origins = [o for o in map(self._origin, leaves) if o is not None]
         if not origins:
             out = func(*args, **kwargs)
-            self._maybe_fill(func, args)
+            if op.mutates_first:
+                self._maybe_fill(op.name, args)
             return out
         self._count(func)
         names = tuple(dict.fromkeys(itertools.chain.from_iterable(o.names for o in origins)))
@@ -260,47 +292,49 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             base = start + int(src.storage_offset()) * src.element_size()
             self._keep.append(out)
             if out.numel():
-                self._origins[out.untyped_storage().data_ptr()] = _Origin(
+                self._origins[_storage_ptr(out)] = _Origin(
                     origins[0].names, base, src.element_size()
                 )
             return out
         out = func(*args, **kwargs)
         if func in _VALUE_READS or not isinstance(out, (torch.Tensor, tuple, list)):
-            self._transform(names, f"the loader reads its values ({_op_name(func)})")
+            self._transform(names, f"the loader reads its values ({op.name})")
             return out
-        if _mutates_first(func) and self._origin(args[0]) is not None:
+        if op.mutates_first and self._origin(args[0]) is not None:
             # In place (``mul_``): the stand-in, and every view of it, now stands for other
             # bytes than the checkpoint's.
-            self._transform(names, f"the loader changes it in place ({_op_name(func)})")
+            self._transform(names, f"the loader changes it in place ({op.name})")
             return out
-        inputs = {o.untyped_storage().data_ptr() for o in leaves if isinstance(o, torch.Tensor)}
+        if op.is_view:  # the common case (narrow, unbind): its origin is the input's
+            return out
+        inputs = {_storage_ptr(o) for o in leaves if o.numel()}
         results, _ = tree_flatten(out)
         for result in results:
             if not isinstance(result, torch.Tensor) or not result.numel():
                 continue
-            ptr = result.untyped_storage().data_ptr()
-            if ptr in inputs:  # a view: its storage (and so its origin) is the input's
+            ptr = _storage_ptr(result)
+            if ptr in inputs:  # a view after all: its storage (and origin) is the input's
                 continue
-            self._transform(names, f"the loader computes from it ({_op_name(func)})")
+            self._transform(names, f"the loader computes from it ({op.name})")
             self._keep.append(result)
             self._origins[ptr] = _Origin(names, None)
         return out
 
     def _count(self, func: Any) -> None:
-        name = _op_name(func)
+        name = _op(func).name
         self.ops[name] = self.ops.get(name, 0) + 1
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: _Origin) -> None:
         names = origin.names
         self.written.update(names)
-        target = self._target_of.get(dst.untyped_storage().data_ptr())
+        target = self._target_of.get(_storage_ptr(dst))
         if target is None:
             # Into a temporary (or another stand-in): what the engine does with it next
             # comes from that; it is derived.
             self._transform(names, "the loader copies it into a temporary")
             if dst.numel():
                 self._keep.append(dst)
-                self._origins[dst.untyped_storage().data_ptr()] = _Origin(names, None)
+                self._origins[_storage_ptr(dst)] = _Origin(names, None)
             return
         why = None
         if origin.base is None:
@@ -335,17 +369,17 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for name in names:
                 self.writes.append(Write(name, target, start, end))
 
-    def _maybe_fill(self, func: Any, args: tuple[Any, ...]) -> None:
-        """Record what an in-place op the loader ran for real wrote into a destination."""
-        if not args or not isinstance(args[0], torch.Tensor) or not _mutates_first(func):
+    def _maybe_fill(self, op: str, args: tuple[Any, ...]) -> None:
+        """Record what an in-place op (``op``) the loader ran for real wrote into a
+        destination."""
+        if not args or not isinstance(args[0], torch.Tensor):
             return
         dst = args[0]
         if not dst.numel():
             return
-        target = self._target_of.get(dst.untyped_storage().data_ptr())
+        target = self._target_of.get(_storage_ptr(dst))
         if target is None:
             return
-        op = _op_name(func)
         for start, end in _spans(dst):
             self.fills.append(Fill(op, target, start, end))
             # Done now, before any read: bytes a tensor was recorded to fill earlier would
@@ -375,8 +409,37 @@ def _leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
     return out
 
 
-def _op_name(func: Any) -> str:
-    return str(getattr(func, "__name__", func))
+@dataclass(frozen=True, slots=True)
+class _Op:
+    name: str
+    #: In place on its first argument (``fill_``, ``mul_``).
+    mutates_first: bool
+    #: Its results alias its inputs (``slice``, ``unbind``).
+    is_view: bool
+
+
+def _op(func: Any) -> _Op:
+    """What the dispatch asks of an op, worked out once per op: it runs for every op the
+    loader dispatches, and the schema walk is a share of recording worth saving."""
+    known = _OPS.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        first = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+        known = _OPS[func] = _Op(
+            name=str(getattr(func, "__name__", func)),
+            mutates_first=first is not None and first.is_write,
+            is_view=bool(getattr(func, "is_view", False)),
+        )
+    return known
+
+
+_OPS: dict[Any, _Op] = {}
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s storage starts: its identity here. Arithmetic on two ints rather
+    than ``untyped_storage()``, which makes a Python object per call."""
+    return int(tensor.data_ptr()) - int(tensor.storage_offset()) * tensor.element_size()
 
 
 def _same_dtype(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
@@ -394,12 +457,6 @@ def _device(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torc
     return torch.device(device) if device is not None else args[0].device
 
 
-def _mutates_first(func: Any) -> bool:
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.arguments:
-        return False
-    alias = schema.arguments[0].alias_info
-    return alias is not None and alias.is_write
 
 
 def _runs(

@@ -220,6 +220,41 @@ def test_a_loader_that_replaces_a_parameter_is_refused(tmp_path: Path) -> None:
         record(Replacing(), ckpt)
 
 
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS")
+def test_stand_ins_are_apart_and_take_no_memory() -> None:
+    """Each stand-in is a storage of its own (the recorder tells them apart by it), of the
+    shape and dtype asked, scalars and empty ones included; none is backed: a 1 GiB one
+    takes no memory while the loader holds it."""
+    seen: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
+    growth: list[int] = []
+    before = _rss()
+
+    def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            seen[name] = (tuple(w.shape), w.dtype, w.untyped_storage().data_ptr())
+            if name == "big":
+                growth.append(_rss() - before)
+
+    specs = [
+        ("big", torch.bfloat16, (1 << 29,)),
+        ("scalar", torch.float32, ()),
+        ("empty", torch.int8, (0, 4)),
+        ("small", torch.float8_e4m3fn, (3, 5)),
+        ("small2", torch.float8_e4m3fn, (3, 5)),
+    ]
+    captured = capture(load, specs, [])
+    assert {n: (s, d) for n, (s, d, _) in seen.items()} == {n: (s, d) for n, d, s in specs}
+    nonempty = [ptr for n, (_, _, ptr) in seen.items() if n != "empty"]
+    assert len(set(nonempty)) == len(nonempty)
+    assert growth[0] < 256 << 20, growth
+    assert captured.untouched == tuple(n for n, _, _ in specs)
+
+
 def test_stand_ins_are_never_filled(tmp_path: Path) -> None:
     """Recording reads no payload and writes nothing into the parameters but the loader's
     own fills: every byte a tensor would write still holds its initial value."""

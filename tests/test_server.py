@@ -36,11 +36,12 @@ EXAMPLES = ROOT / "examples"
 if str(EXAMPLES) not in sys.path:
     sys.path.insert(0, str(EXAMPLES))
 import moe_block  # noqa: E402
+from server import PACED_READ_SIZE  # noqa: E402
 
 SIZE = 8 << 20
 RATE_MB_PER_S = 8  # an 8 MiB checkpoint loads in about a second, in 64 KiB reads
 # A held server (tests/held_server.py) reads this many before it waits for the test: at
-# most 512 KiB of the 8 MiB land, so a test sees the load under way, below 10 %.
+# most 8 paced reads (512 KiB) of the 8 MiB land, so a test sees the load under way.
 HOLD_AFTER_READS = 8
 # Hang guards only: a correct run on a loaded machine (a torch import on a busy core takes
 # a while) is far within them.
@@ -208,7 +209,7 @@ def wait_mid_load(
         r = client.get("/health")
         status, body = r.status_code, check_health(r.status_code, r.json())
         answers.append((status, body))
-    assert body["bytes_done"] <= HOLD_AFTER_READS * (64 << 10) < body["bytes_total"], body
+    assert body["bytes_done"] <= HOLD_AFTER_READS * PACED_READ_SIZE < body["bytes_total"], body
     return body
 
 
