@@ -457,8 +457,6 @@ def _device(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torc
     return torch.device(device) if device is not None else args[0].device
 
 
-
-
 def _runs(
     shape: Iterable[int],
     itemsize: int,
