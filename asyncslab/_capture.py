@@ -258,14 +258,14 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        op = _op(func)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             origin = self._origin(src)
             if origin is not None:
-                self._count(func)
+                self._count(op)
                 self._copy(dst, src, origin)
                 return dst
-        op = _op(func)
         leaves = _leaves(args, kwargs)
         origins = [o for o in map(self._origin, leaves) if o is not None]
         if not origins:
@@ -273,7 +273,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if op.mutates_first:
                 self._maybe_fill(op.name, args)
             return out
-        self._count(func)
+        self._count(op)
         names = tuple(dict.fromkeys(itertools.chain.from_iterable(o.names for o in origins)))
         if (
             func in _COPIES
@@ -320,9 +320,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._origins[ptr] = _Origin(names, None)
         return out
 
-    def _count(self, func: Any) -> None:
-        name = _op(func).name
-        self.ops[name] = self.ops.get(name, 0) + 1
+    def _count(self, op: _Op) -> None:
+        self.ops[op.name] = self.ops.get(op.name, 0) + 1
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: _Origin) -> None:
         names = origin.names

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from asyncslab import Checkpoint, SlabSet
+from asyncslab._bench.worker import proc_status
 from asyncslab._capture import capture
 from asyncslab._errors import CaptureError
 from asyncslab._into import plan_into
@@ -220,11 +221,6 @@ def test_a_loader_that_replaces_a_parameter_is_refused(tmp_path: Path) -> None:
         record(Replacing(), ckpt)
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS")
 def test_stand_ins_are_apart_and_take_no_memory() -> None:
     """Each stand-in is a storage of its own (the recorder tells them apart by it), of the
@@ -232,13 +228,13 @@ def test_stand_ins_are_apart_and_take_no_memory() -> None:
     takes no memory while the loader holds it."""
     seen: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
     growth: list[int] = []
-    before = _rss()
+    before = proc_status()["VmRSS"]
 
     def load(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for name, w in weights:
             seen[name] = (tuple(w.shape), w.dtype, w.untyped_storage().data_ptr())
             if name == "big":
-                growth.append(_rss() - before)
+                growth.append(proc_status()["VmRSS"] - before)
 
     specs = [
         ("big", torch.bfloat16, (1 << 29,)),
