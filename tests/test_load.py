@@ -727,19 +727,29 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
     moe_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pinning happens during the load now (a buffer when a read first needs it): if it
-    fails, the load fails with that error, leaves no fd or thread behind, and the next
-    load into the same SlabSet works."""
+    fails while another thread holds a buffer, the load fails with that error, leaves no fd
+    or thread behind, and the next load into the same SlabSet works."""
     from asyncslab import _staged
 
     ckpt = Checkpoint.open(moe_checkpoint.root)
     p = plan(ckpt)
     options = LoadOptions(transfer="staged", staging_bytes=4 * (64 << 10), staging_buffers=4)
     real = _staged.staging_buffer
+    lock = threading.Lock()
     made = [0]
+    second_asked = threading.Event()
 
     def second_fails(size: int, pin: bool) -> torch.Tensor:
-        made[0] += 1
-        if made[0] == 2:
+        with lock:
+            made[0] += 1
+            n = made[0]
+        if n == 1:
+            # Threads take reads themselves: one thread could do them all and no second
+            # buffer be asked for. Holding the first thread here leaves the reads to others.
+            if not second_asked.wait(60):
+                raise AssertionError("no second thread asked for a staging buffer")
+        elif n == 2:
+            second_asked.set()
             raise RuntimeError("cannot pin 64 KiB")
         return real(size, pin)
 
