@@ -8,9 +8,11 @@ as for any plan (dtype, size, the route reading its own tensor's bytes), and a
 
 Completeness is checked per byte, before any read: every byte of every required tensor (the
 engine's parameters) is written by exactly one checkpoint tensor, or filled by the loader
-itself. A fused parameter can look loaded with one expert's slot never written; that slot
-is named here, with the checkpoint tensor that would have filled it where a sibling
-parameter (another layer's) shows which one.
+itself. An optional one (a value the engine sets itself and takes from a checkpoint only if
+there: vLLM's KV-cache scales) is either covered so or not written at all. A fused
+parameter can look loaded with one expert's slot never written; that slot is named here,
+with the checkpoint tensor that would have filled it where a sibling parameter (another
+layer's) shows which one.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ __all__ = ["IntoPlan", "plan_into"]
 class IntoPlan:
     """A plan into given tensors: ``tensors`` (slab name -> view) are what
     ``SlabSet(plan, tensors=...)`` takes. ``transformed`` (checkpoint tensor -> why) are
-    loaded by the engine's own loader instead, ``skipped`` are those it takes and drops."""
+    loaded by the engine's own loader instead, ``skipped`` are those it takes and drops.
+    ``defaulted`` are the optional tensors no checkpoint tensor writes: they keep the
+    values the engine gave them."""
 
     plan: Plan
     tensors: Mapping[str, torch.Tensor]
     transformed: Mapping[str, str]
     skipped: tuple[str, ...]
     fills: int
+    defaulted: tuple[str, ...] = ()
     #: The transformed tensors, each into a host slab of its own (``view(name)`` once
     #: loaded), or None when there are none.
     side: Plan | None = None
@@ -60,18 +65,20 @@ def plan_into(
     required: Iterable[tuple[str, torch.Tensor]],
     *,
     names: Mapping[str, str] | None = None,
+    optional: Iterable[str] = (),
 ) -> IntoPlan:
     """Plan ``checkpoint`` into the destinations ``captured`` recorded, checking that every
     byte of each ``required`` tensor (the engine's parameters, by name) is covered exactly
-    once. ``names`` maps the names the engine was given to checkpoint names (a prefix the
-    engine adds), identity by default."""
+    once; those named in ``optional`` may instead have no byte written. ``names`` maps the
+    names the engine was given to checkpoint names (a prefix the engine adds), identity by
+    default."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
 
     def info(name: str) -> TensorInfo:
         return tensors[to_checkpoint.get(name, name)]
 
-    _check_coverage(captured, list(required))
+    defaulted = _check_coverage(captured, list(required), frozenset(optional))
     specs: list[SlabSpec] = []
     routes = []
     views: dict[str, torch.Tensor] = {}
@@ -117,6 +124,7 @@ def plan_into(
         transformed=MappingProxyType(transformed),
         skipped=skipped,
         fills=len(captured.fills),
+        defaulted=defaulted,
         side=side,
     )
 
@@ -145,9 +153,12 @@ class _Only:
 # --- completeness, per byte ------------------------------------------------------------
 
 
-def _check_coverage(captured: Capture, required: Sequence[tuple[str, torch.Tensor]]) -> None:
+def _check_coverage(
+    captured: Capture, required: Sequence[tuple[str, torch.Tensor]], optional: frozenset[str]
+) -> tuple[str, ...]:
     """Raise :class:`CoverageError` for a byte of a required tensor written by two
-    checkpoint tensors, or by none (nor filled by the loader)."""
+    checkpoint tensors, or by none (nor filled by the loader). An ``optional`` tensor with
+    no byte written is not an error: those are returned."""
     writes: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
     for run in captured.runs:
         writes[run.target].append((run.dst, run.dst + run.nbytes, run.tensor))
@@ -174,6 +185,7 @@ def _check_coverage(captured: Capture, required: Sequence[tuple[str, torch.Tenso
     merged = {t: _merge(spans) for t, spans in covered.items()}
     by_ptr = {flat.untyped_storage().data_ptr(): i for i, (_, flat) in enumerate(captured.targets)}
     writers = _writers(captured)
+    defaulted = []
     for name, tensor in required:
         if not tensor.numel():
             continue
@@ -181,7 +193,9 @@ def _check_coverage(captured: Capture, required: Sequence[tuple[str, torch.Tenso
         start = int(tensor.storage_offset()) * tensor.element_size()
         end = start + tensor.numel() * tensor.element_size()
         holes = _holes(merged.get(found, []) if found is not None else [], start, end)
-        if holes:
+        if name in optional and holes == [(start, end)]:
+            defaulted.append(name)
+        elif holes:
             a, b = holes[0]
             guess = _guess(name, a - start, b - start, writers, required)
             hint = f"; by analogy, expected {guess!r}" if guess else ""
@@ -194,6 +208,7 @@ def _check_coverage(captured: Capture, required: Sequence[tuple[str, torch.Tenso
                 slab=name,
                 missing=holes,
             )
+    return tuple(defaulted)
 
 
 def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

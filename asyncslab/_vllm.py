@@ -80,6 +80,9 @@ class LoadReport:
     transformed: tuple[str, ...]
     transformed_bytes: int
     skipped: tuple[str, ...]
+    #: Parameters vLLM gives a value of its own and takes from a checkpoint only if there
+    #: (KV-cache scales), which this checkpoint does not hold.
+    defaulted: tuple[str, ...]
     capture_s: float
     load_s: float
     transformed_s: float
@@ -105,6 +108,11 @@ class LoadReport:
             rest.append("none transformed")
         if self.skipped:
             rest.append(f"{len(self.skipped)} skipped by vLLM ({', '.join(self.skipped[:3])})")
+        if self.defaulted:
+            rest.append(
+                f"{len(self.defaulted)} parameters kept vLLM's defaults "
+                f"({', '.join(self.defaulted[:3])})"
+            )
         return f"{done}; {'; '.join(rest)}. Loading weights took {self.total_s:.2f} seconds"
 
 
@@ -150,7 +158,7 @@ class AsyncSlabLoader(BaseModelLoader):
             device=stand_in_device,
         )
         recorded = time.perf_counter()
-        into = plan_into(checkpoint, captured, params, names=names)
+        into = plan_into(checkpoint, captured, params, names=names, optional=_optional(model))
         loaded, side = _run(self._load(checkpoint, into, device))
         reads_done = time.perf_counter()
         if side is not None:
@@ -167,6 +175,7 @@ class AsyncSlabLoader(BaseModelLoader):
             transformed=tuple(into.transformed),
             transformed_bytes=into.transformed_bytes,
             skipped=into.skipped,
+            defaulted=into.defaulted,
             capture_s=recorded - started,
             load_s=loaded.elapsed_s,
             transformed_s=finished - reads_done,
@@ -284,6 +293,26 @@ class _LogProgress:
             stats.gbps,
             f", about {eta:.0f} s left" if eta is not None else "",
         )
+
+
+def _optional(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint need not hold, as vLLM's own check of a quantized load
+    has them (``DefaultModelLoader.track_weights_loading``): those of a KV-cache
+    quantization method (scales vLLM initialises and overwrites only from a checkpoint
+    that has them), and those vLLM builds from the quantization config."""
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    out = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        kv_cache = isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)
+        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            if kv_cache or name in _CONFIG_BUILT:
+                out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+#: vLLM's ``default_loader._CONFIG_BUILT_PARAMS``, private to it.
+_CONFIG_BUILT = ("input_scale_ub",)
 
 
 def _one_device(params: Iterable[tuple[str, torch.Tensor]]) -> torch.device:

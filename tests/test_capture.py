@@ -261,3 +261,66 @@ def test_stand_ins_are_never_filled(tmp_path: Path) -> None:
     assert (model.layers[1].o == 9).all()
     assert (model.emb[:8] == 9).all()
     assert (model.emb[8:] == 0).all()
+
+
+class WithScales(Toy):
+    """Per layer a ``scale`` the engine sets itself (vLLM's KV-cache scales start at a
+    default) and overwrites only from a checkpoint that holds one: two elements, so that a
+    checkpoint can also hold half of one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for layer in self.layers:
+            layer.scale = nn.Parameter(torch.full((2,), -1.0), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        rest = []
+        for name, w in weights:
+            parts = name.split(".")
+            if parts[-1] == "scale":
+                self.layers[int(parts[1])].scale.data[: w.shape[0]].copy_(w)
+            else:
+                rest.append((name, w))
+        super().load_weights(rest)
+
+
+SCALES = ("layers.0.scale", "layers.1.scale")
+
+
+@pytest.mark.asyncio
+async def test_an_optional_parameter_the_checkpoint_lacks_keeps_its_value(
+    tmp_path: Path,
+) -> None:
+    ckpt = write(tmp_path, weights())
+    model = WithScales()
+    with pytest.raises(CoverageError, match="'layers.0.scale'"):
+        plan_into(ckpt, record(model, ckpt), model.named_parameters())
+    into = plan_into(ckpt, record(model, ckpt), model.named_parameters(), optional=SCALES)
+    assert into.defaulted == SCALES
+    await SlabSet(into.plan, tensors=into.tensors).load(ckpt)
+    assert all((layer.scale == -1).all() for layer in model.layers)
+    engine = WithScales()
+    engine.load_weights(weights().items())
+    same_bytes(model, engine)
+
+
+@pytest.mark.asyncio
+async def test_an_optional_parameter_the_checkpoint_holds_is_loaded(tmp_path: Path) -> None:
+    scales = {n: torch.tensor([0.5, 0.25]) for n in SCALES}
+    ckpt = write(tmp_path, {**weights(), **scales})
+    model = WithScales()
+    into = plan_into(ckpt, record(model, ckpt), model.named_parameters(), optional=SCALES)
+    assert into.defaulted == ()
+    assert not into.transformed
+    await SlabSet(into.plan, tensors=into.tensors).load(ckpt)
+    assert [layer.scale.tolist() for layer in model.layers] == [[0.5, 0.25]] * 2
+
+
+def test_an_optional_parameter_half_written_is_refused(tmp_path: Path) -> None:
+    """Optional means all or nothing: a scale the checkpoint fills in part would serve a
+    mix of the checkpoint's value and the engine's default."""
+    scales = {n: torch.tensor([0.5]) for n in SCALES}
+    ckpt = write(tmp_path, {**weights(), **scales})
+    model = WithScales()
+    with pytest.raises(CoverageError, match=r"elements 1\.\.1 of 'layers.0.scale'"):
+        plan_into(ckpt, record(model, ckpt), model.named_parameters(), optional=SCALES)

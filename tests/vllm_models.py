@@ -3,7 +3,8 @@ config, a word-level tokenizer and safetensors shards with an index, as ``save_p
 lays them out, for vLLM to load with no hub.
 
 Weights are transformers' own random initialisation (seeded), made in the model's dtype;
-:func:`write_awq_model` replaces the decoder's linear layers by AWQ 4-bit ones.
+:func:`write_awq_model` replaces the decoder's linear layers by AWQ 4-bit ones,
+:func:`write_w8a8_model` by compressed-tensors int8 ones.
 """
 
 from __future__ import annotations
@@ -150,6 +151,48 @@ def write_awq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
     }
     cfg.save_pretrained(root)
     _tokenizer(root, transformers)
+    return root
+
+
+def write_w8a8_model(root: Path, *, seed: int = 0) -> Path:
+    """Write a tiny Llama as a compressed-tensors W8A8 checkpoint (what llm-compressor's
+    int8 scheme saves): every decoder linear layer ``X`` as ``X.weight`` (int8, rounded
+    from the float weight) and ``X.weight_scale`` (bfloat16 ``[out, 1]``, one per output
+    channel); activations are quantized per token at run time. Its config quantizes no
+    KV cache, so vLLM's attention layers keep their own default KV-cache scales: a
+    checkpoint without them is complete."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    write_model(root, "llama", seed=seed)
+    shard = root / "model.safetensors"
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(str(shard)).items():
+        layer, _, kind = name.rpartition(".")
+        if kind == "weight" and layer.rpartition(".")[2] in AWQ_LINEARS:
+            scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
+            tensors[name] = (tensor.float() / scale).round().clamp(-127, 127).to(torch.int8)
+            tensors[f"{layer}.weight_scale"] = scale.to(torch.bfloat16)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
+    config = json.loads((root / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**int8, "strategy": "channel", "dynamic": False},
+                "input_activations": {**int8, "strategy": "token", "dynamic": True},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=2))
     return root
 
 
