@@ -29,7 +29,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
 from ._capture import capture
 from ._errors import CheckpointError, LoadError
-from ._format import Checkpoint
+from ._format import Checkpoint, gc_paused
 from ._into import IntoPlan, plan_into
 from ._loader import LoadOptions, LoadStatistics, SlabSet
 from ._progress import format_bytes
@@ -140,6 +140,14 @@ class AsyncSlabLoader(BaseModelLoader):
         self._files.download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        # The collector paused: what the load allocates holds no cycle that must go before
+        # it ends, but its allocations would trigger full passes over the server's heap
+        # (hundreds of thousands of objects in a vLLM worker: a large fraction of a second
+        # each) inside the load. vLLM's load_model collects right after load_weights.
+        with gc_paused():
+            self._load_weights(model, model_config)
+
+    def _load_weights(self, model: nn.Module, model_config: Any) -> None:
         started = time.perf_counter()
         checkpoint, names = self._checkpoint(model, model_config)
         params = list(model.named_parameters(remove_duplicate=False))

@@ -162,6 +162,9 @@ def test_every_parameter_byte_equals_autos_and_stays_in_vllms_memory(
     assert case["parameters"] > 10
     assert case["differ"] == []
     assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    # The collector waits for vLLM's own gc.collect() after the load: a pass over a
+    # server's heap inside it would cost more than reading a small model.
+    assert case["gc_passes"] == 0
     report = case["report"]
     assert report["skipped"] == []
     if name == "llama-float32":
@@ -422,7 +425,7 @@ def test_the_openai_server_loads_with_it_and_answers(
                   "temperature": 0},
             timeout=120,
         )  # fmt: skip
-        assert reply.status_code == 200, reply.text
+        assert reply.status_code == 200, reply.text + "\n" + log.read_text()[-8000:]
         assert reply.json()["usage"]["completion_tokens"] == 4
     finally:
         server.send_signal(signal.SIGINT)

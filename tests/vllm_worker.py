@@ -4,8 +4,9 @@ distributed state and logging process-wide; the test process stays as it was).
 ``python tests/vllm_worker.py loads CASES.json OUT.json``: per case, a model created the way
 vLLM creates it and loaded with the case's load format, in this process; recorded: every
 parameter's bytes compared with ``auto``'s (before ``process_weights_after_loading``, which
-repacks on the CPU), whether every parameter kept its address, each parameter's dtype, the
-loader's report, or the error raised (type, message, the error's ``tensor``).
+repacks on the CPU), whether every parameter kept its address, each parameter's dtype, how
+many passes the garbage collector made inside asyncslab's load, the loader's report, or the
+error raised (type, message, the error's ``tensor``).
 
 ``python tests/vllm_worker.py generate CASES.json OUT.json``: per case, ``LLM(...)`` with
 each load format in turn (in this process: ``distributed_executor_backend="uni"``), the
@@ -87,9 +88,29 @@ def _watching(
 
         originals.append((cls, original))
         cls.load_weights = wrapped  # type: ignore[method-assign]
+    # The collector's passes inside asyncslab's load (the one that re-enabling it may set
+    # off as load_weights returns is vLLM's to pay, like its gc.collect() after).
+    inner = AsyncSlabLoader._load_weights
+
+    def counted(self: Any, model: Any, model_config: Any) -> None:
+        passes: list[int] = []
+
+        def count(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                passes.append(info["generation"])
+
+        gc.callbacks.append(count)
+        try:
+            inner(self, model, model_config)
+        finally:
+            gc.callbacks.remove(count)
+            record["gc_passes"] = len(passes)
+
+    AsyncSlabLoader._load_weights = counted  # type: ignore[method-assign]
     try:
         yield
     finally:
+        AsyncSlabLoader._load_weights = inner  # type: ignore[method-assign]
         for cls, original in originals:
             cls.load_weights = original  # type: ignore[method-assign]
 
