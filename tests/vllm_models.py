@@ -3,12 +3,13 @@ config, a word-level tokenizer and safetensors shards with an index, as ``save_p
 lays them out, for vLLM to load with no hub.
 
 Weights are transformers' own random initialisation (seeded), made in the model's dtype;
-:func:`write_awq_model` replaces the decoder's linear layers by AWQ 4-bit ones,
-:func:`write_w8a8_model` by compressed-tensors int8 ones.
+:func:`write_awq_model` and :func:`write_gptq_model` replace the decoder's linear layers by
+4-bit ones, :func:`write_w8a8_model` by compressed-tensors int8 ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,8 +102,8 @@ def _tokenizer(root: Path, transformers: Any) -> None:
     fast.save_pretrained(root)
 
 
-#: The decoder's linear layers, which an AWQ checkpoint quantizes (all else stays float).
-AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The decoder's linear layers, which a quantized checkpoint quantizes (all else stays float).
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def write_awq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
@@ -113,6 +114,60 @@ def write_awq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
     float16, as AutoAWQ leaves them. The packed values are random (seeded): any 4-bit
     values are a valid model, and the scales keep the dequantized weights small (at most
     15 times a scale of 0.005 to 0.02), so the logits stay finite."""
+
+    def linear(layer: str, out: int, inp: int) -> dict[str, torch.Tensor]:
+        groups = inp // group_size
+        return {
+            f"{layer}.qweight": _packed(inp, out // 8),
+            f"{layer}.qzeros": _packed(groups, out // 8),
+            f"{layer}.scales": _scales(groups, out),
+        }
+
+    config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": group_size,
+        "zero_point": True,
+        "version": "gemm",
+    }
+    return _write_4bit(root, linear, config, seed)
+
+
+def write_gptq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
+    """Write a tiny Llama as a GPTQ checkpoint (4 bits, symmetric, no activation order), as
+    AutoGPTQ and GPTQModel save it: every decoder linear layer ``X`` as ``X.qweight``
+    (int32 ``[in / 8, out]``: packed along the input, unlike AWQ), ``X.qzeros`` (int32
+    ``[in / group, out / 8]``), ``X.scales`` (float16 ``[in / group, out]``) and ``X.g_idx``
+    (int32 ``[in]``, each input's group: in order, since there is no activation order);
+    random packed values and small scales, as for :func:`write_awq_model`."""
+
+    def linear(layer: str, out: int, inp: int) -> dict[str, torch.Tensor]:
+        groups = inp // group_size
+        return {
+            f"{layer}.qweight": _packed(inp // 8, out),
+            f"{layer}.qzeros": _packed(groups, out // 8),
+            f"{layer}.scales": _scales(groups, out),
+            f"{layer}.g_idx": (torch.arange(inp) // group_size).to(torch.int32),
+        }
+
+    config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": False,
+        "sym": True,
+    }
+    return _write_4bit(root, linear, config, seed)
+
+
+def _write_4bit(
+    root: Path,
+    linear: Callable[[str, int, int], dict[str, torch.Tensor]],
+    quantization_config: dict[str, Any],
+    seed: int,
+) -> Path:
+    """A tiny float16 Llama whose decoder linear layers ``linear(layer, out, in)`` replaces,
+    in one shard, with ``quantization_config`` in its config."""
     import transformers
     from safetensors.torch import save_file
 
@@ -129,26 +184,14 @@ def write_awq_model(root: Path, *, group_size: int = 32, seed: int = 0) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         layer, _, kind = name.rpartition(".")
-        if kind == "weight" and layer.rpartition(".")[2] in AWQ_LINEARS:
-            out, inp = tensor.shape
-            groups = inp // group_size
-            tensors[f"{layer}.qweight"] = _packed(inp, out // 8)
-            tensors[f"{layer}.qzeros"] = _packed(groups, out // 8)
-            tensors[f"{layer}.scales"] = (
-                torch.rand(groups, out, dtype=torch.float32) * 0.015 + 0.005
-            ).half()
+        if kind == "weight" and layer.rpartition(".")[2] in QUANTIZED_LINEARS:
+            tensors.update(linear(layer, *tensor.shape))
         else:
             tensors[name] = tensor.contiguous()
     del model
     root.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
-    cfg.quantization_config = {
-        "quant_method": "awq",
-        "bits": 4,
-        "group_size": group_size,
-        "zero_point": True,
-        "version": "gemm",
-    }
+    cfg.quantization_config = quantization_config
     cfg.save_pretrained(root)
     _tokenizer(root, transformers)
     return root
@@ -170,7 +213,7 @@ def write_w8a8_model(root: Path, *, seed: int = 0) -> Path:
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(str(shard)).items():
         layer, _, kind = name.rpartition(".")
-        if kind == "weight" and layer.rpartition(".")[2] in AWQ_LINEARS:
+        if kind == "weight" and layer.rpartition(".")[2] in QUANTIZED_LINEARS:
             scale = tensor.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127
             tensors[name] = (tensor.float() / scale).round().clamp(-127, 127).to(torch.int8)
             tensors[f"{layer}.weight_scale"] = scale.to(torch.bfloat16)
@@ -194,6 +237,10 @@ def write_w8a8_model(root: Path, *, seed: int = 0) -> Path:
     }
     (root / "config.json").write_text(json.dumps(config, indent=2))
     return root
+
+
+def _scales(groups: int, columns: int) -> torch.Tensor:
+    return (torch.rand(groups, columns, dtype=torch.float32) * 0.015 + 0.005).half()
 
 
 def _packed(rows: int, columns: int) -> torch.Tensor:
