@@ -374,7 +374,9 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
             # surely mid-load (after a fixed 0.3 s, a load could be anywhere).
             reading, cancelled = threading.Event(), threading.Event()
 
-            def first_then_held() -> None:
+            def first_then_held(
+                reading: threading.Event = reading, cancelled: threading.Event = cancelled
+            ) -> None:
                 time.sleep(0.02)
                 if reading.is_set():
                     cancelled.wait(HANG_S)

@@ -654,7 +654,8 @@ def test_open_files_opens_exactly_the_files_given(tmp_path: Path) -> None:
     save_file({"c": torch.ones(1)}, str(tmp_path / "stale.safetensors"))
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     ckpt = Checkpoint.open_files([tmp_path / "two.safetensors", str(tmp_path / "one.safetensors")])
-    assert list(ckpt.tensors) == ["b", "a"] and ckpt.index is None
+    assert list(ckpt.tensors) == ["b", "a"]
+    assert ckpt.index is None
     save_file({"a": torch.ones(1)}, str(tmp_path / "again.safetensors"))
     with pytest.raises(DuplicateTensorError):
         Checkpoint.open_files([tmp_path / "one.safetensors", tmp_path / "again.safetensors"])

@@ -112,7 +112,8 @@ async def test_zero_size_scalars_and_many_dtypes(tmp_path: Path) -> None:
     slabs = await load(ckpt, p, options=LoadOptions(read_size=4096, coalesce_gap=0))
     for name, t in tensors.items():
         got = slabs.view(name)
-        assert got.shape == t.shape and got.dtype == t.dtype
+        assert got.shape == t.shape
+        assert got.dtype == t.dtype
         assert torch.equal(raw_bytes(got), raw_bytes(t))
 
 
@@ -159,7 +160,8 @@ async def test_incomplete_slab_is_refused(moe_checkpoint: SyntheticCheckpoint) -
     p = plan(ckpt)
     async with SlabSet(p) as slabs:
         name = next(n for n, s in p.slabs.items() if s.labels.get("kind") == "experts")
-        with pytest.raises(asyncslab.IncompleteLoadError, match=r"0 of \d+ tensors landed; missing"):
+        incomplete = r"0 of \d+ tensors landed; missing"
+        with pytest.raises(asyncslab.IncompleteLoadError, match=incomplete):
             slabs.slab(name)
         with pytest.raises(asyncslab.IncompleteLoadError):
             slabs.slabs[name]
@@ -389,8 +391,12 @@ async def test_read_error_names_file_keeps_cause_and_retry_succeeds(
 async def test_real_eio_from_the_os_becomes_read_error(tmp_path: Path) -> None:
     # A directory fd makes preadv fail with EISDIR: a real OSError through the real path.
     buffer = torch.zeros(4, dtype=torch.uint8)
-    with pytest.raises(ReadError, match="failed") as info:
-        pread_scatter(os.open(tmp_path, os.O_RDONLY), scatter([(buffer.data_ptr(), 4)]), 0, path="dir")
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(ReadError, match="failed") as info:
+            pread_scatter(fd, scatter([(buffer.data_ptr(), 4)]), 0, path="dir")
+    finally:
+        os.close(fd)
     assert isinstance(info.value.__cause__, OSError)
 
 
@@ -419,8 +425,8 @@ async def test_file_shrinking_during_read_is_a_short_read(tmp_path: Path) -> Non
     path.write_bytes(b"abc")
     fd = os.open(path, os.O_RDONLY)
     try:
+        buffer = torch.zeros(8, dtype=torch.uint8)
         with pytest.raises(ReadError, match="ended early"):
-            buffer = torch.zeros(8, dtype=torch.uint8)
             pread_scatter(fd, scatter([(buffer.data_ptr(), 8)]), 0, path=str(path))
     finally:
         os.close(fd)
@@ -798,7 +804,8 @@ async def test_paced_load_reports_progress_and_needed_bytes_at_once(
         assert slabs.statistics().bytes_needed == p.nbytes  # known before the task runs
         await task
     assert seen == sorted(seen)
-    assert len(seen) > 5 and seen[-1] == p.nbytes
+    assert len(seen) > 5
+    assert seen[-1] == p.nbytes
 
 
 async def test_slot_refuses_what_is_not_an_in_range_slot(

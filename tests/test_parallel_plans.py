@@ -29,13 +29,15 @@ async def test_expert_parallel_rank_reads_only_its_experts(
 
     p = plan(ckpt, [TieredMoE(owns=owns), Dense()])
     experts = {r.expert for r in p.routes if r.expert is not None}
-    assert experts and all(e % 2 == rank for e in experts)
+    assert experts
+    assert all(e % 2 == rank for e in experts)
     for layer, partition in p.extras["partitions"].items():
         assert set(partition.experts) == {
             e for e in moe_checkpoint.tier_map[layer] if e % 2 == rank
         }
     skipped_experts = [n for n in p.skipped if ".mlp.experts." in n]
-    assert skipped_experts and all(int(n.split(".")[5]) % 2 != rank for n in skipped_experts)
+    assert skipped_experts
+    assert all(int(n.split(".")[5]) % 2 != rank for n in skipped_experts)
     slabs = await load(ckpt, p)
     stats = slabs.statistics()
     assert stats.bytes_landed == p.nbytes
