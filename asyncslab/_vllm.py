@@ -141,9 +141,9 @@ class AsyncSlabLoader(BaseModelLoader):
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         # The collector paused: what the load allocates holds no cycle that must go before
-        # it ends, but its allocations would trigger full passes over the server's heap
-        # (hundreds of thousands of objects in a vLLM worker: a large fraction of a second
-        # each) inside the load. vLLM's load_model collects right after load_weights.
+        # it ends, but its allocations would set off full passes over a vLLM worker's heap
+        # inside the load, each costing more than reading a small model; vLLM's load_model
+        # collects right after load_weights (tests/test_vllm.py counts the passes).
         with gc_paused():
             self._load_weights(model, model_config)
 
