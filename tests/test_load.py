@@ -752,7 +752,7 @@ async def test_a_staging_buffer_that_cannot_be_made_fails_the_load_cleanly(
         if n == 1:
             # Threads take reads themselves: one thread could do them all and no second
             # buffer be asked for. Holding the first thread here leaves the reads to others.
-            if not second_asked.wait(60):
+            if not second_asked.wait(HANG_S):
                 raise AssertionError("no second thread asked for a staging buffer")
         elif n == 2:
             second_asked.set()
