@@ -249,11 +249,12 @@ def test_a_gptq_checkpoint_loads_byte_for_byte(loads: dict[str, Any]) -> None:
     assert {d for n, d in case["dtypes"].items() if n.endswith(".qweight")} == {"int32"}
     report = case["report"]
     assert report["transformed"] == []
+    blocks = {"self_attn": QUANTIZED_LINEARS[:4], "mlp": QUANTIZED_LINEARS[4:]}
     assert sorted(report["skipped"]) == sorted(
-        f"model.layers.{i}.{kind}.{linear}.g_idx"
+        f"model.layers.{i}.{block}.{linear}.g_idx"
         for i in (0, 1)
-        for kind, linear in [("self_attn", p) for p in QUANTIZED_LINEARS[:4]]
-        + [("mlp", p) for p in QUANTIZED_LINEARS[4:]]
+        for block, linears in blocks.items()
+        for linear in linears
     )
 
 
