@@ -23,6 +23,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -308,8 +309,6 @@ def _optional(model: nn.Module) -> set[str]:
     has them (``DefaultModelLoader.track_weights_loading``): those of a KV-cache
     quantization method (scales vLLM initialises and overwrites only from a checkpoint
     that has them), and those vLLM builds from the quantization config."""
-    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
-
     out = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         kv_cache = isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)
