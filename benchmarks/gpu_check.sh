@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole device check as one short run, from the repository root of a machine with one
-# CUDA device: the CUDA tests (and the CPU load tests beside them), then the GPU benchmark.
+# CUDA device: the CUDA tests (and the CPU load and capture tests beside them), then the GPU
+# benchmark.
 # Results land in $RESULTS/ (default: $OUT, the folder a remote run brings back, else
 # gpu-results/). If pytest-asyncio (>= 1.0, with its loop-factories hook) is missing there,
 # put its wheel in .whl/ first (pip download --no-deps -d .whl pytest-asyncio==1.5.0) and
@@ -32,7 +33,7 @@ for name in ('pytest', 'pytest-asyncio', 'pytest-timeout', 'safetensors', 'numpy
   nproc; free -g | head -2; df -h /tmp | tail -1
 } 2>&1 | tee "$results/machine.txt"
 python3 -c "import pytest_timeout" 2>/dev/null || echo "pytest-timeout missing: the tests will not start"
-timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda.py tests/test_load.py -q \
+timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda.py tests/test_load.py tests/test_capture.py -q \
   tests/test_distributed.py::test_shared_and_own_loads_into_cuda_slabs_are_bit_identical \
   -p no:cacheprovider -rs 2>&1 | tee "$results/pytest_cuda.log"
 timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \

@@ -60,6 +60,10 @@ class Toy(nn.Module):
                     layer.qkv.data[0:4].copy_(w.t())
                 elif self.variant == "compute":
                     layer.qkv.data[0:4].copy_(w * 2)
+                elif self.variant == "to device":
+                    # As vLLM's loaders do on a GPU: the tensor moved to the parameter's
+                    # device first, then copied there.
+                    layer.qkv.data[0:4].copy_(w.to(layer.qkv.device))
                 elif self.variant == "in place":
                     layer.qkv.data[0:4].copy_(w.mul_(2))
                 elif self.variant == "item":
@@ -175,6 +179,33 @@ async def test_what_is_not_a_byte_copy_goes_through_the_engines_loader(
     side = await SlabSet(into.side).load(ckpt)
     model.load_weights((n, side.view(n)) for n in into.transformed)
     same_bytes(model, reference(tensors, dtype=dtype, variant=variant))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    ("variant", "dtype"),
+    [("", torch.bfloat16), ("to device", torch.bfloat16), ("", torch.float32)],
+)
+@pytest.mark.asyncio
+async def test_into_cuda_parameters_the_plan_writes_what_the_engines_loader_writes(
+    tmp_path: Path, variant: str, dtype: torch.dtype
+) -> None:
+    """As in vLLM on a GPU: the stand-ins are host tensors, the parameters device ones; the
+    bytes are staged onto the device, what is transformed goes through the loader."""
+    tensors = weights()
+    ckpt = write(tmp_path, tensors)
+    model = Toy(dtype, variant).to("cuda")
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    into = plan_into(ckpt, record(model, ckpt), model.named_parameters())
+    assert bool(into.transformed) == (dtype != torch.bfloat16)
+    slabs = SlabSet(into.plan, "cuda", tensors=into.tensors)
+    await slabs.load(ckpt)
+    if into.side is not None:
+        side = await SlabSet(into.side).load(ckpt)
+        model.load_weights((n, side.view(n)) for n in into.transformed)
+    torch.cuda.synchronize()
+    assert before == {n: p.data_ptr() for n, p in model.named_parameters()}
+    same_bytes(model.cpu(), reference(tensors, dtype=dtype, variant=variant))
 
 
 def test_a_missing_tensor_is_named_with_its_parameter_before_any_read(tmp_path: Path) -> None:
