@@ -211,9 +211,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def stand_in(self, name: str, tensor: torch.Tensor) -> None:
         self._keep.append(tensor)
         if tensor.numel():
-            self._origins[_storage_ptr(tensor)] = _Origin(
-                (name,), 0, tensor.element_size()
-            )
+            self._origins[_storage_ptr(tensor)] = _Origin((name,), 0, tensor.element_size())
 
     def _origin(self, tensor: Any) -> _Origin | None:
         if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:

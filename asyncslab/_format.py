@@ -192,9 +192,7 @@ def _loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
         # raises a bare ValueError.
         raise HeaderJSONError(f"{what} is not valid JSON: {err}", file=file) from None
     if not _is_object(obj):
-        raise HeaderJSONError(
-            f"{what} must be a JSON object, got {type(obj).__name__}", file=file
-        )
+        raise HeaderJSONError(f"{what} must be a JSON object, got {type(obj).__name__}", file=file)
     return _as_dict(obj, file=file, what=what)
 
 

@@ -147,9 +147,7 @@ class Load:
             bytes_read=self.bytes_read,
             bytes_landed=self.sink.bytes_landed,
             reads=self.reads,
-            elapsed_s=(self.ended or time.perf_counter()) - self.started
-            if self.started
-            else 0.0,
+            elapsed_s=(self.ended or time.perf_counter()) - self.started if self.started else 0.0,
             staging_budget=self.staging_budget,
             staging_peak=staging.peak_in_use if staging else self.staging_peak,
             unit_completed_at={
@@ -370,9 +368,7 @@ class Load:
             broken.append(err)
             feed.stop()
 
-        ticker = _Ticker(
-            progress, options.progress_interval, lambda: self.statistics(device), fail
-        )
+        ticker = _Ticker(progress, options.progress_interval, lambda: self.statistics(device), fail)
 
         def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
             # A load that is over or being torn down (this task cancelled: the load was
@@ -679,5 +675,3 @@ def check_files(plan: Plan) -> None:
         except OSError as err:
             raise ReadError(f"cannot open: {err.strerror or err}", file=shard.path) from err
         _check_unchanged(shard.path, st, shard.size, shard.inode, shard.mtime_ns)
-
-

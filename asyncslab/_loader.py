@@ -392,7 +392,11 @@ class SlabSet:
     def _sink(self) -> Sink:
         backing = self._backing if self._given is None else None
         return Sink(
-            self._run_plan, self.device, self._route_bytes, self._route_base, self._tracker,
+            self._run_plan,
+            self.device,
+            self._route_bytes,
+            self._route_base,
+            self._tracker,
             backing=backing,
         )
 
@@ -606,12 +610,11 @@ def _given_bytes(
             )
     return given
 
+
 # --- for the distributed load, which moves the bytes itself ----------------------------------
 
 
-def begin_shared(
-    slabs: SlabSet, checkpoint: Checkpoint, plan: Plan, options: LoadOptions
-) -> Load:
+def begin_shared(slabs: SlabSet, checkpoint: Checkpoint, plan: Plan, options: LoadOptions) -> Load:
     """Begin a load of ``slabs`` whose bytes someone else moves (through the returned
     load's :meth:`~._load.Load.land`), and who ends it (:meth:`~._load.Load.finish`)."""
     return slabs._begin(checkpoint, plan, options, shared=True)

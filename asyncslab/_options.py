@@ -170,7 +170,6 @@ class LoadStatistics:
         return (self.bytes_needed - self.bytes_landed) / rate
 
 
-
 def resolve_transfer(transfer: Transfer, device: torch.device) -> Transfer:
     """The transfer a load onto ``device`` uses: ``auto`` resolved, ``direct`` refused for
     a CUDA target (a read cannot land in device memory)."""

@@ -35,7 +35,13 @@ class Sink:
     unit when its last route has."""
 
     __slots__ = (
-        "backing", "bytes_landed", "device", "plan", "route_base", "route_bytes", "tracker"
+        "backing",
+        "bytes_landed",
+        "device",
+        "plan",
+        "route_base",
+        "route_bytes",
+        "tracker",
     )
 
     def __init__(

@@ -109,9 +109,7 @@ class _Stream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._tokens: asyncio.Semaphore | None = None
-        self._thread = threading.Thread(
-            target=self._produce, name="asyncslab-stream", daemon=True
-        )
+        self._thread = threading.Thread(target=self._produce, name="asyncslab-stream", daemon=True)
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         if not self._runs:
