@@ -105,6 +105,9 @@ def _rewrite(src: Path, dst: Path, change: Any) -> Path:
 
 MISSING = "model.layers.1.self_attn.k_proj.weight"
 
+#: Architectures whose loaders differ from those above, compared byte for byte only.
+OTHER_ARCHITECTURES = ("qwen3", "deepseek_v3", "qwen3_next", "gpt_oss")
+
 
 @pytest.fixture(scope="module")
 def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -123,6 +126,7 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
     changed = shutil.copytree(models["mixtral"], tmp / "changed")
     # Not among ``models``: the greedy test's engines would cost more than they prove here.
     gptq = write_gptq_model(tmp / "llama-gptq")
+    others = {name: write_model(tmp / name, name) for name in OTHER_ARCHITECTURES}
     # An MoE model first: the worker sets vLLM's parallel groups up from it.
     order = ["mixtral", "llama", "qwen2_moe", "llama-awq", "llama-w8a8"]
     cases: list[dict[str, Any]] = [_case(n, models[n]) for n in order]
@@ -130,6 +134,7 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
         {"name": "llama-float32", "model": str(models["llama"]), "dtype": "float32"},
         {"name": "llama-awq-bfloat16", "model": str(models["llama-awq"]), "dtype": "bfloat16"},
         {"name": "llama-gptq", "model": str(gptq), "dtype": "float16"},
+        *(_case(name, model) for name, model in others.items()),
         {
             "name": "staged",
             "model": str(models["qwen2_moe"]),
@@ -279,6 +284,42 @@ def test_a_checkpoint_without_kv_cache_scales_keeps_vllms_defaults(
     # vLLM keeps its weight scales in float32: the bfloat16 ones go through its loaders.
     assert report["transformed"]
     assert all(n.endswith(".weight_scale") for n in report["transformed"])
+
+
+#: Per architecture, what vLLM's loaders change on the way (so asyncslab hands them over):
+#: DeepSeek-V3's router bias and Qwen3-Next's ``A_log`` are kept in float32, GPT-OSS's
+#: experts are stored transposed and fused, in another order than vLLM's.
+OTHER_TRANSFORMED = {
+    "qwen3": [],
+    "deepseek_v3": ["model.layers.1.mlp.gate.e_score_correction_bias"],
+    "qwen3_next": ["model.layers.0.linear_attn.A_log"],
+    "gpt_oss": [
+        f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj")
+    ],
+}
+
+
+@pytest.mark.parametrize("name", OTHER_ARCHITECTURES)
+def test_other_architectures_load_byte_for_byte_with_no_table_of_names(
+    loads: dict[str, Any], name: str
+) -> None:
+    """Tied embeddings and per-head q/k norms (Qwen3), latent attention with shared and
+    routed experts (DeepSeek-V3), linear attention beside full attention (Qwen3-Next),
+    fused, transposed experts with biases (GPT-OSS): the recording of vLLM's own loaders
+    places every byte as ``auto`` does, with nothing per architecture in asyncslab."""
+    case = loads[name]
+    assert "error" not in case, case.get("message")
+    assert case["same_names"]
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    report = case["report"]
+    assert sorted(report["transformed"]) == sorted(OTHER_TRANSFORMED[name])
+    assert report["skipped"] == []
+    assert report["defaulted"] == []
+    assert report["bytes"] > 0
+    if name == "qwen3":
+        # Tied: the head is the embedding, which the checkpoint holds once.
+        assert not any(n.startswith("lm_head") for n in case["dtypes"])
 
 
 def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any]) -> None:

@@ -50,6 +50,69 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "decoder_sparse_step": 1,
         },
     ),
+    # Beyond the three every test runs: loaders that differ from Llama's and Mixtral's.
+    # Tied embeddings (no lm_head in the checkpoint), per-head q/k norms.
+    "qwen3": (
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        {**_COMMON, "intermediate_size": 128, "tie_word_embeddings": True},
+    ),
+    # DeepSeek-V3's (and GLM-5's) layout: latent attention (low-rank q and kv), a dense first
+    # layer, routed experts beside a shared one, a float32 router bias.
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        {
+            **_COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32,
+            "v_head_dim": 32,
+        },
+    ),
+    # A hybrid: a linear-attention layer (convolution, gated delta rule) and a full one,
+    # both over experts.
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        {
+            **_COMMON,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
+    # Experts stored fused and transposed, with biases: vLLM rearranges them on the way.
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        {
+            **_COMMON,
+            "intermediate_size": 64,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 64,
+        },
+    ),
 }
 
 
