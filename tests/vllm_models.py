@@ -73,9 +73,11 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "n_group": 1,
             "topk_group": 1,
             "topk_method": "noaux_tc",
+            # The CPU build's latent attention takes DeepSeek's own latent width only
+            # (kv_lora_rank + qk_rope_head_dim = 576).
             "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_rope_head_dim": 32,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
             "qk_nope_head_dim": 32,
             "v_head_dim": 32,
         },
@@ -96,8 +98,9 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "layer_types": ["linear_attention", "full_attention"],
             "linear_num_key_heads": 2,
             "linear_num_value_heads": 2,
-            "linear_key_head_dim": 32,
-            "linear_value_head_dim": 32,
+            # The CPU build's gated-delta-rule kernel takes Qwen3-Next's own head size only.
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
             "partial_rotary_factor": 0.5,
         },
     ),
