@@ -6,6 +6,10 @@ in-place ``reload_weights``): tensors are read in file order into host slabs of 
 while the consumer takes the current one. At most two windows are held by the iterator
 (``tests/test_stream.py`` pins it); a tensor the consumer keeps keeps its window's memory,
 as any tensor keeps its storage.
+
+A window's memory is read into again for a later window once the consumer holds nothing of
+it: memory a process has never touched costs a page fault per page, which on a VM is most
+of what reading a window into fresh memory costs.
 """
 
 from __future__ import annotations
@@ -13,16 +17,16 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ._errors import LoadError
 from ._format import Checkpoint, TensorInfo
-from ._loader import SlabSet
+from ._loader import SlabSet, slab_layout
 from ._options import LoadOptions
-from ._plan import plan
+from ._plan import Plan, plan
 from ._rules import Dense
 
 __all__ = ["DEFAULT_WINDOW", "runner", "stream_tensors", "windows"]
@@ -30,8 +34,8 @@ __all__ = ["DEFAULT_WINDOW", "runner", "stream_tensors", "windows"]
 T = TypeVar("T")
 
 #: Bytes read ahead of the consumer: large enough to keep the I/O threads busy, small
-#: beside a checkpoint.
-DEFAULT_WINDOW = 1 << 30
+#: beside a checkpoint (and the memory the stream holds: two windows).
+DEFAULT_WINDOW = 256 << 20
 
 
 def runner() -> Callable[[Coroutine[Any, Any, T]], T]:
@@ -68,7 +72,7 @@ def stream_tensors(
     *,
     window_bytes: int = DEFAULT_WINDOW,
     options: LoadOptions | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Every tensor of ``checkpoint`` (or those ``names``), in file order, as it is stored:
     its own dtype and shape, in host memory. A failed read raises from the iterator, naming
     what failed; closing the iterator early stops the reads and waits for them to end."""
@@ -77,7 +81,8 @@ def stream_tensors(
     wanted = checkpoint.tensors if names is None else {n: _info(checkpoint, n) for n in names}
     order = {f.path: i for i, f in enumerate(checkpoint.files)}
     infos = sorted(wanted.values(), key=lambda t: (order[t.file], t.offset))
-    return _Stream(checkpoint, windows(infos, window_bytes), options or LoadOptions()).run()
+    runs = windows(infos, window_bytes)
+    return _Stream(checkpoint, runs, options or LoadOptions(), window_bytes).run()
 
 
 def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
@@ -87,35 +92,48 @@ def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
         raise LoadError(f"no tensor {name!r} in {checkpoint.root}", tensor=name) from None
 
 
-# What the producer hands over: a loaded window, the error that ended it, or its end.
-_Item = tuple[list[str], SlabSet] | BaseException | None
+# What the producer hands over: a loaded window (its tensors' names, its slabs, the memory
+# they lie in), the error that ended it, or its end.
+_Item = tuple[list[str], SlabSet, torch.Tensor] | BaseException | None
 
 
 class _Stream:
     """The producer (a thread with its own loop, loading windows) and the consumer (the
     generator) of one iteration. The producer starts a window's load only with one of
-    ``depth`` tokens; the consumer gives a token back when it moves past a window."""
+    ``depth`` tokens; the consumer gives a token back, with the window's memory, one tensor
+    into the next window (so ``depth`` must be at least 2: the next window is read with
+    the other token)."""
 
     depth = 2
 
     def __init__(
-        self, checkpoint: Checkpoint, runs: list[list[TensorInfo]], options: LoadOptions
+        self,
+        checkpoint: Checkpoint,
+        runs: list[list[TensorInfo]],
+        options: LoadOptions,
+        window_bytes: int,
     ) -> None:
         self._checkpoint = checkpoint
         self._runs = runs
         self._options = options
+        self._window_bytes = window_bytes
         self._items: queue.Queue[_Item] = queue.Queue()
+        # Window memory the consumer has moved past (put by the consumer before it gives
+        # the token back), and the producer's own list of it, to read later windows into.
+        self._returned: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._free: list[torch.Tensor] = []
         self._started = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._tokens: asyncio.Semaphore | None = None
         self._thread = threading.Thread(target=self._produce, name="asyncslab-stream", daemon=True)
 
-    def run(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         if not self._runs:
             return
         self._thread.start()
         self._started.wait()
+        done: torch.Tensor | None = None
         try:
             for _ in self._runs:
                 item = self._items.get()
@@ -123,12 +141,20 @@ class _Stream:
                     raise item
                 if item is None:  # cannot happen before the last window: the producer ends
                     break
-                names, slabs = item
+                names, slabs, memory = item
                 del item
                 for name in names:
                     yield name, slabs.view(name)
+                    if done is not None:
+                        # The last window's memory goes back one tensor into this one: until
+                        # the consumer asked for a second tensor here, its loop variable
+                        # still held the last window's last tensor.
+                        self._returned.put(done)
+                        done = None
+                        self._give_back()
                 del slabs  # the window goes once the consumer lets go of its tensors
-                self._give_back()
+                done = memory
+                del memory
         finally:
             self._stop()
 
@@ -139,6 +165,29 @@ class _Stream:
             self._loop.call_soon_threadsafe(self._tokens.release)
         except RuntimeError:  # the producer's loop has closed: it is done
             pass
+
+    def _memory(self, window: Plan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Memory for ``window``'s slabs, and the slabs in it: memory a window before this
+        one lay in, if the consumer holds nothing of it any more, else new memory."""
+        offsets, need, _ = slab_layout(window, torch.device("cpu"))
+        while not self._returned.empty():
+            self._free.append(self._returned.get())
+        memory = None
+        for i, candidate in enumerate(self._free):
+            if candidate.numel() >= need and _only_here(candidate):
+                memory = self._free.pop(i)
+                break
+        # What the consumer still holds is its own now; the rest waits for a later window.
+        self._free = [m for m in self._free if _only_here(m)][-self.depth :]
+        if memory is None:
+            memory = torch.empty(max(need, self._window_bytes), dtype=torch.uint8)
+        slabs = {
+            name: memory[offsets[name] : offsets[name] + spec.nbytes]
+            .view(spec.dtype)
+            .view(spec.shape)
+            for name, spec in window.slabs.items()
+        }
+        return memory, slabs
 
     def _stop(self) -> None:
         if self._loop is not None and self._task is not None:
@@ -174,14 +223,25 @@ class _Stream:
                     {t.name: t for t in run},
                     checkpoint.index,
                 )
-                slabs = SlabSet(plan(part, [Dense()]), "cpu")
+                window = plan(part, [Dense()])
+                memory, given = self._memory(window)
+                slabs = SlabSet(window, "cpu", tensors=given)
+                del given
                 try:
                     await slabs.load(part, options=self._options)
                 except BaseException:
                     await slabs.aclose()
                     raise
-                self._items.put(([t.name for t in run], slabs))
-                del slabs
+                self._items.put(([t.name for t in run], slabs, memory))
+                del slabs, memory
             self._items.put(None)
         except asyncio.CancelledError:
             pass  # the consumer stopped: nobody waits for an item
+
+
+def _only_here(memory: torch.Tensor) -> bool:
+    """Whether ``memory`` is the only tensor on its storage: nobody else can read it, so a
+    later window may be read into it. (The count includes the storage object asked for
+    here.) Where this torch lacks the count, never."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return count is not None and count(memory.untyped_storage()._cdata) == 2

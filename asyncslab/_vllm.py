@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import time
@@ -168,12 +169,18 @@ class AsyncSlabLoader(BaseModelLoader):
         )
         recorded = time.perf_counter()
         into = plan_into(checkpoint, captured, params, names=names, optional=_optional(model))
-        loaded, side = _run(self._load(checkpoint, into, device))
+        loaded = _run(self._load(checkpoint, into, device))
         reads_done = time.perf_counter()
-        if side is not None:
+        if into.transformed:
+            # Handed to vLLM's loaders as the default loader hands them, a window at a time:
+            # host memory stays two windows, where the transformed bytes can be the whole
+            # checkpoint (one served in another dtype).
             vllm_name = {ck: name for name, ck in names.items()}
-            load((vllm_name[n], side.view(n)) for n in into.transformed)
-            del side  # the host copies go at once (see SlabSet)
+            tensors = stream_tensors(
+                checkpoint, list(into.transformed), options=_host(self.options)
+            )
+            with contextlib.closing(tensors):
+                load((vllm_name[n], t) for n, t in tensors)
         finished = time.perf_counter()
         self.report = LoadReport(
             files=len(checkpoint.files),
@@ -261,20 +268,12 @@ class AsyncSlabLoader(BaseModelLoader):
 
     async def _load(
         self, checkpoint: Checkpoint, into: IntoPlan, device: torch.device
-    ) -> tuple[LoadStatistics, SlabSet | None]:
-        """The load into vLLM's parameters and, beside it, the transformed tensors' into
-        host memory of their own (returned, for vLLM's loader)."""
+    ) -> LoadStatistics:
+        """The load into vLLM's parameters."""
         slabs = SlabSet(into.plan, device, tensors=into.tensors)
-        side = None if into.side is None else SlabSet(into.side, "cpu")
-        progress = _LogProgress(logger)
         try:
-            async with asyncio.TaskGroup() as tg:
-                tg.create_task(slabs.load(checkpoint, options=self.options, progress=progress))
-                if side is not None:
-                    tg.create_task(side.load(checkpoint, options=_host(self.options)))
-            return slabs.statistics(), side
-        except BaseExceptionGroup as group:
-            raise group.exceptions[0] from None
+            await slabs.load(checkpoint, options=self.options, progress=_LogProgress(logger))
+            return slabs.statistics()
         finally:
             # The SlabSet only lent itself the parameters; closing it frees nothing of vLLM's.
             await slabs.aclose()

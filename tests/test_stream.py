@@ -106,6 +106,46 @@ def test_the_reads_stay_at_most_one_window_ahead_of_the_consumer(
     assert len(started) == len(runs)
 
 
+def test_a_window_is_read_into_memory_the_consumer_let_go_of(tmp_path: Path) -> None:
+    """A consumer that copies each tensor and lets it go: the windows take turns in the
+    same memory (new memory costs a page fault per page), every tensor still exact when
+    taken."""
+    ckpt = _write(tmp_path / "ckpt", shards=4)
+    reference = _reference(ckpt)
+    window = 1500
+    runs = _stream.windows(
+        sorted(ckpt.tensors.values(), key=lambda t: (t.file.name, t.offset)), window
+    )
+    assert len(runs) >= 8
+    storages = set()
+    for name, tensor in _stream.stream_tensors(ckpt, window_bytes=window):
+        assert torch.equal(raw_bytes(tensor), raw_bytes(reference[name])), name
+        storages.add(tensor.untyped_storage().data_ptr())
+    # Two windows in turn, and one more for the tensor larger than a window.
+    assert len(storages) <= 3, len(storages)
+
+
+def test_memory_the_consumer_keeps_a_tensor_of_is_never_read_into_again(tmp_path: Path) -> None:
+    """A consumer that keeps one tensor of each window (as a loader that collects tensors
+    to fuse later would): no later window is read into the memory under it."""
+    ckpt = _write(tmp_path / "ckpt", shards=4)
+    reference = _reference(ckpt)
+    window = 1500
+    runs = _stream.windows(
+        sorted(ckpt.tensors.values(), key=lambda t: (t.file.name, t.offset)), window
+    )
+    firsts = {run[0].name for run in runs}
+    kept = [
+        (name, tensor)
+        for name, tensor in _stream.stream_tensors(ckpt, window_bytes=window)
+        if name in firsts
+    ]
+    assert len(kept) == len(runs)
+    for name, tensor in kept:
+        assert torch.equal(raw_bytes(tensor), raw_bytes(reference[name])), name
+    assert len({t.untyped_storage().data_ptr() for _, t in kept}) == len(runs)
+
+
 def test_an_early_close_stops_the_reads_and_waits_for_them(tmp_path: Path) -> None:
     ckpt = _write(tmp_path / "ckpt")
     fds = open_fds()
