@@ -241,7 +241,7 @@ class _Stream:
 
 def _only_here(memory: torch.Tensor) -> bool:
     """Whether ``memory`` is the only tensor on its storage: nobody else can read it, so a
-    later window may be read into it. (The count includes the storage object asked for
-    here.) Where this torch lacks the count, never."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return count is not None and count(memory.untyped_storage()._cdata) == 2
+    later window may be read into it."""
+    # torch counts a storage's users only privately (its CUDA-graph trees ask the same
+    # question this way). The count includes the storage object made for asking.
+    return torch._C._storage_Use_Count(memory.untyped_storage()._cdata) == 2

@@ -141,11 +141,12 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
     # Other libraries' underscore names asyncslab has to use, each for a reason: torch's
     # module registries (binding parameters without a copy), ATen op names (_to_copy and
     # _local_scalar_dense are what .to() and .item() dispatch as), argparse's subparser
-    # type, vLLM's list of the files a model loads (so that its format reads those).
+    # type, vLLM's list of the files a model loads (so that its format reads those), torch's
+    # count of a storage's users (whether a consumer still holds a window's memory).
     allowed_foreign = {
         "_exit", "_getframe", "_replace", "_asdict", "_fields", "_make",
         "_parameters", "_buffers", "_to_copy", "_local_scalar_dense", "_SubParsersAction",
-        "_prepare_weights",
+        "_prepare_weights", "_storage_Use_Count", "_cdata",
     }  # fmt: skip
     root = Path(asyncslab.__file__).parent
     reaching: list[str] = []
