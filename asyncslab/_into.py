@@ -30,8 +30,7 @@ from ._capture import Capture
 from ._errors import CoverageError
 from ._format import Checkpoint, TensorInfo
 from ._plan import Plan, plan
-from ._rules import Dense
-from ._vocab import Claim, Rule, SlabSpec, make_route, unit_of_layer
+from ._vocab import Claim, SlabSpec, make_route, unit_of_layer
 
 __all__ = ["IntoPlan", "plan_into"]
 
@@ -50,9 +49,6 @@ class IntoPlan:
     skipped: tuple[str, ...]
     fills: int
     defaulted: tuple[str, ...] = ()
-    #: The transformed tensors, each into a host slab of its own (``view(name)`` once
-    #: loaded), or None when there are none.
-    side: Plan | None = None
 
     @property
     def transformed_bytes(self) -> int:
@@ -115,9 +111,6 @@ def plan_into(
     extras = dict(loaded.extras)
     extras["transformed_bytes"] = {n: tensors[n].nbytes for n in transformed}
     loaded = dataclasses.replace(loaded, extras=MappingProxyType(extras))
-    side = None
-    if transformed:
-        side = plan(checkpoint, [_Only(transformed, Dense())], unmatched="ignore")
     return IntoPlan(
         plan=loaded,
         tensors=MappingProxyType(views),
@@ -125,7 +118,6 @@ def plan_into(
         skipped=skipped,
         fills=len(captured.fills),
         defaulted=defaulted,
-        side=side,
     )
 
 
@@ -137,17 +129,6 @@ class _Claimed:
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         return self._claim
-
-
-class _Only:
-    """``rule``, shown only the tensors named."""
-
-    def __init__(self, names: Iterable[str], rule: Rule) -> None:
-        self._names = tuple(names)
-        self._rule = rule
-
-    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
-        return self._rule.claim(checkpoint, {n: pending[n] for n in self._names if n in pending})
 
 
 # --- completeness, per byte ------------------------------------------------------------

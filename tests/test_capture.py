@@ -19,6 +19,7 @@ from asyncslab._bench.worker import proc_status
 from asyncslab._capture import capture
 from asyncslab._errors import CaptureError
 from asyncslab._into import plan_into
+from asyncslab._stream import stream_tensors
 from asyncslab.errors import CoverageError
 
 LAYERS, EXPERTS = 2, 3
@@ -175,9 +176,8 @@ async def test_what_is_not_a_byte_copy_goes_through_the_engines_loader(
     assert all(n.endswith((".q", ".k")) or dtype != torch.bfloat16 for n in into.transformed)
     assert any(re.search(why, w) for w in into.transformed.values())
     await SlabSet(into.plan, tensors=into.tensors).load(ckpt)
-    assert into.side is not None
-    side = await SlabSet(into.side).load(ckpt)
-    model.load_weights((n, side.view(n)) for n in into.transformed)
+    # As the vLLM format hands them over: streamed, after the main load.
+    model.load_weights(stream_tensors(ckpt, list(into.transformed)))
     same_bytes(model, reference(tensors, dtype=dtype, variant=variant))
 
 
@@ -200,9 +200,8 @@ async def test_into_cuda_parameters_the_plan_writes_what_the_engines_loader_writ
     assert bool(into.transformed) == (dtype != torch.bfloat16)
     slabs = SlabSet(into.plan, "cuda", tensors=into.tensors)
     await slabs.load(ckpt)
-    if into.side is not None:
-        side = await SlabSet(into.side).load(ckpt)
-        model.load_weights((n, side.view(n)) for n in into.transformed)
+    if into.transformed:
+        model.load_weights(stream_tensors(ckpt, list(into.transformed)))
     torch.cuda.synchronize()
     assert before == {n: p.data_ptr() for n, p in model.named_parameters()}
     same_bytes(model.cpu(), reference(tensors, dtype=dtype, variant=variant))
