@@ -12,7 +12,7 @@ checkpoint writer and a verifier: ``asyncslab.testing``. Beside: ``asyncslab.dis
 
 from . import errors as errors
 from . import rules as rules
-from ._bind import Target, bind_module
+from .engines._binding import Target, bind_module
 from ._errors import (
     AsyncSlabError,
     BindError,
@@ -23,12 +23,12 @@ from ._errors import (
     LoadError,
     PlanError,
 )
-from ._format import Checkpoint, ShardFile, TensorInfo
-from ._loader import LoadOptions, LoadStatistics, SlabSet, load
-from ._moe import TieredMoE, load_tier_map
-from ._plan import Plan, plan
-from ._rules import Dense, RowSlice, Stack, default_rules
-from ._vocab import Location
+from .checkpoint._format import Checkpoint, ShardFile, TensorInfo
+from .loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
+from .planning._moe import TieredMoE, load_tier_map
+from .planning._plan import Plan, plan
+from .planning._rules import Dense, RowSlice, Stack, default_rules
+from .planning._vocabulary import Location
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from ._cli import main
+from .cli._main import main
 
 raise SystemExit(main())

@@ -4,19 +4,19 @@ Claim``, returning the ``SlabSpec``s to allocate and a ``Route`` per tensor it p
 then checks the whole result. The built-in rules are here too. See ``docs/plans.md``.
 """
 
-from ._moe import ExpertPartition as ExpertPartition
-from ._moe import TieredMoE as TieredMoE
-from ._moe import load_tier_map as load_tier_map
-from ._rules import Dense as Dense
-from ._rules import RowSlice as RowSlice
-from ._rules import Stack as Stack
-from ._rules import default_rules as default_rules
-from ._vocab import Claim as Claim
-from ._vocab import Location as Location
-from ._vocab import Route as Route
-from ._vocab import Rule as Rule
-from ._vocab import SlabSpec as SlabSpec
-from ._vocab import make_route as make_route
+from .planning._moe import ExpertPartition as ExpertPartition
+from .planning._moe import TieredMoE as TieredMoE
+from .planning._moe import load_tier_map as load_tier_map
+from .planning._rules import Dense as Dense
+from .planning._rules import RowSlice as RowSlice
+from .planning._rules import Stack as Stack
+from .planning._rules import default_rules as default_rules
+from .planning._vocabulary import Claim as Claim
+from .planning._vocabulary import Location as Location
+from .planning._vocabulary import Route as Route
+from .planning._vocabulary import Rule as Rule
+from .planning._vocabulary import SlabSpec as SlabSpec
+from .planning._vocabulary import make_route as make_route
 
 __all__ = [
     "Claim",

@@ -2,10 +2,10 @@
 ``vllm serve MODEL --load-format asyncslab``). Importing this module imports vLLM.
 See ``docs/vllm.md``."""
 
-from ._vllm import LOAD_FORMAT as LOAD_FORMAT
-from ._vllm import AsyncSlabLoader as AsyncSlabLoader
-from ._vllm import LoadReport as LoadReport
-from ._vllm import options_from_config as options_from_config
-from ._vllm import register as register
+from .engines._vllm import LOAD_FORMAT as LOAD_FORMAT
+from .engines._vllm import AsyncSlabLoader as AsyncSlabLoader
+from .engines._vllm import LoadReport as LoadReport
+from .engines._vllm import options_from_config as options_from_config
+from .engines._vllm import register as register
 
 __all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]

@@ -29,9 +29,9 @@ import torch
 import asyncslab
 import asyncslab.testing
 from asyncslab import LoadOptions
-from asyncslab._cli import parse_size
-from asyncslab._read import byte_view
-from asyncslab._schedule import schedule
+from asyncslab.cli._main import parse_size
+from asyncslab.loading._read import byte_view
+from asyncslab.loading._schedule import schedule
 
 
 async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:

@@ -62,8 +62,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from asyncslab._bench.runner import read_all
-from asyncslab._cli import parse_size
+from asyncslab.cli._bench.runner import read_all
+from asyncslab.cli._main import parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -144,7 +144,7 @@ def _log(text: str) -> None:
 def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]:
     """The bench's own generator (reused when already there), after the bench's own
     disk-space check."""
-    from asyncslab._bench.runner import _check_space, _generate
+    from asyncslab.cli._bench.runner import _check_space, _generate
 
     problem = _check_space(root, int(size * 1.05))
     if problem:
@@ -177,9 +177,9 @@ def host_bound(torch: Any, plan: Any, threads: int, read_bytes: int) -> dict[str
     ring's buffer size, read by its own ``read_staged``) by ``threads`` threads, each into a
     pinned buffer of its own. What page cache and host memory give a staged load, whatever
     the GPU can take."""
-    from asyncslab._bench.worker import run_in_threads
-    from asyncslab._copy import read_staged
-    from asyncslab._schedule import schedule
+    from asyncslab.cli._bench.worker import run_in_threads
+    from asyncslab.loading._copy import read_staged
+    from asyncslab.loading._schedule import schedule
 
     ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
     buffers = [torch.empty(read_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
@@ -203,7 +203,7 @@ class _DeviceSlabs:
     starts in ``backing``."""
 
     def __init__(self, torch: Any, plan: Any, device: str) -> None:
-        from asyncslab._loader import slab_layout
+        from asyncslab.loading._slabs import slab_layout
 
         self.base, total, _ = slab_layout(plan, torch.device(device))
         self.backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
@@ -224,9 +224,9 @@ def pipeline_bound(
     pinned buffers of its own. At depth 1 a thread waits for its copy before its next read,
     as asyncslab's threads do; at depth 2 it reads into its other buffer meanwhile and waits
     for a copy only before reusing that buffer. Timed until the last copy completed."""
-    from asyncslab._bench.worker import run_in_threads
-    from asyncslab._copy import _copy_pieces, read_staged
-    from asyncslab._schedule import schedule
+    from asyncslab.cli._bench.worker import run_in_threads
+    from asyncslab.loading._copy import _copy_pieces, read_staged
+    from asyncslab.loading._schedule import schedule
 
     ops = schedule(plan, max_read=read_bytes, gap=64 << 10).ops
     slabs = _DeviceSlabs(torch, plan, device)
@@ -288,8 +288,8 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
     (read-only registration unsupported: the staged design is all there is)."""
     import ctypes
 
-    from asyncslab._copy import _copy_pieces
-    from asyncslab._schedule import schedule
+    from asyncslab.loading._copy import _copy_pieces
+    from asyncslab.loading._schedule import schedule
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p

@@ -33,8 +33,8 @@ for name in ('pytest', 'pytest-asyncio', 'pytest-timeout', 'safetensors', 'numpy
   nproc; free -g | head -2; df -h /tmp | tail -1
 } 2>&1 | tee "$results/machine.txt"
 python3 -c "import pytest_timeout" 2>/dev/null || echo "pytest-timeout missing: the tests will not start"
-timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_cuda.py tests/test_load.py tests/test_capture.py -q \
-  tests/test_distributed.py::test_shared_and_own_loads_into_cuda_slabs_are_bit_identical \
+timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/loading/test_cuda.py tests/loading/test_load.py tests/engines/test_capture.py -q \
+  tests/distributed/test_distributed.py::test_shared_and_own_loads_into_cuda_slabs_are_bit_identical \
   -p no:cacheprovider -rs 2>&1 | tee "$results/pytest_cuda.log"
 timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"

@@ -42,14 +42,14 @@ sys.path.insert(0, str(ROOT))  # the tests package, for its fault helpers
 import asyncslab  # noqa: E402
 import asyncslab.testing  # noqa: E402
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan  # noqa: E402
-from asyncslab import _read as read_module  # noqa: E402
+from asyncslab.loading import _read as read_module  # noqa: E402
 from asyncslab.testing import SyntheticSpec  # noqa: E402
 
 OPTIONS = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
 
 
 class PacedOs:
-    """``os`` as ``asyncslab._read`` sees it, with each ``preadv`` paced and counted."""
+    """``os`` as ``asyncslab.loading._read`` sees it, with each ``preadv`` paced and counted."""
 
     def __init__(self, pace: float) -> None:
         self.pace = pace
@@ -123,7 +123,7 @@ async def soak(
     root: Path, cycles: int, warmup: int, seed: int, pace: float, path: str = "direct"
 ) -> dict[str, Any]:
     from tests import helpers
-    from tests import test_faults as tf  # its load options per path
+    from tests.loading import test_faults as tf  # its load options per path
 
     ckpt = Checkpoint.open(root)
     p = plan(ckpt)

@@ -19,7 +19,7 @@ tiers from the trellis shapes itself, so a test comparing the two checks the loa
 partition and slot placement, not just its bytes. Both run the same arithmetic in the same
 order, so their outputs are bit-identical.
 
-Used by ``examples/server.py`` and ``tests/test_server.py``; importable from other examples
+Used by ``examples/server.py`` and ``tests/examples/test_server.py``; importable from other examples
 (``examples/`` is on ``sys.path`` when a script in it runs).
 """
 

@@ -78,8 +78,8 @@ async def until(condition: Callable[[], bool], limit: float = HANG_S) -> None:
 def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> threading.Event:
     """Make every read of a load (CPU or staged) take ``delay`` seconds longer. Returns an
     event set once a read is inside its delay: a read is then in flight for sure."""
-    from asyncslab import _copy
-    from asyncslab._read import pread_scatter
+    from asyncslab.loading import _copy
+    from asyncslab.loading._read import pread_scatter
 
     in_flight = threading.Event()
 

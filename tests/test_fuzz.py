@@ -291,7 +291,7 @@ def key_rename(files: dict[str, bytes], rng: random.Random) -> str:
 
 
 _DTYPES = [
-    *asyncslab._format.DTYPES,
+    *asyncslab.checkpoint._format.DTYPES,
     "F4", "F6_E2M3", "F8_E4M3FNUZ", "f32", "", "F32 ", Raw("5"), Raw("null"), Raw('["F32"]'),
     Raw("{}"),
 ]  # fmt: skip

@@ -27,7 +27,7 @@ class Absent(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Absent())
-from asyncslab._cli import main
+from asyncslab.cli._main import main
 sys.exit(main(["demo", "--size", "2MiB", "--no-progress", "--dir", sys.argv[1]]))
 """
 

@@ -1,0 +1,3 @@
+"""The checkpoint stage: safetensors headers and index, validated, and the sources they are read from.
+
+Internal: the public names are re-exported by ``asyncslab`` and its public modules."""

@@ -1,0 +1,3 @@
+"""The ``asyncslab`` command: demo, inspect, load, bench.
+
+Internal: the public names are re-exported by ``asyncslab`` and its public modules."""

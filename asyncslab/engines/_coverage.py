@@ -1,0 +1,284 @@
+"""A plan whose slabs are an engine's own tensors, from a :class:`~asyncslab.engines._recording.Capture`.
+
+Each byte run the engine's loader was recorded to copy becomes a slab: a 1-D view of the
+destination's storage at the run's place, and a route reading the run's elements of the
+checkpoint tensor (``make_route(elements=...)``). :func:`asyncslab.plan`'s checks then hold
+as for any plan (dtype, size, the route reading its own tensor's bytes), and a
+:class:`~asyncslab.SlabSet` given those views writes into the engine's memory in place.
+
+Completeness is checked per byte, before any read: every byte of every required tensor (the
+engine's parameters) is written by exactly one checkpoint tensor, or filled by the loader
+itself. An optional one (a value the engine sets itself and takes from a checkpoint only if
+there: vLLM's KV-cache scales) is either covered so or not written at all. A fused
+parameter can look loaded with one expert's slot never written; that slot is named here,
+with the checkpoint tensor that would have filled it where a sibling parameter (another
+layer's) shows which one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from ._recording import Capture
+from .._errors import CoverageError
+from ..checkpoint._format import Checkpoint, TensorInfo
+from ..planning._plan import Plan, plan
+from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
+
+__all__ = ["IntoPlan", "plan_into"]
+
+
+@dataclass(frozen=True, slots=True)
+class IntoPlan:
+    """A plan into given tensors: ``tensors`` (slab name -> view) are what
+    ``SlabSet(plan, tensors=...)`` takes. ``transformed`` (checkpoint tensor -> why) are
+    loaded by the engine's own loader instead, ``skipped`` are those it takes and drops.
+    ``defaulted`` are the optional tensors no checkpoint tensor writes: they keep the
+    values the engine gave them."""
+
+    plan: Plan
+    tensors: Mapping[str, torch.Tensor]
+    transformed: Mapping[str, str]
+    skipped: tuple[str, ...]
+    fills: int
+    defaulted: tuple[str, ...] = ()
+
+    @property
+    def transformed_bytes(self) -> int:
+        return sum(self.plan.extras["transformed_bytes"].values())
+
+
+def plan_into(
+    checkpoint: Checkpoint,
+    captured: Capture,
+    required: Iterable[tuple[str, torch.Tensor]],
+    *,
+    names: Mapping[str, str] | None = None,
+    optional: Iterable[str] = (),
+) -> IntoPlan:
+    """Plan ``checkpoint`` into the destinations ``captured`` recorded, checking that every
+    byte of each ``required`` tensor (the engine's parameters, by name) is covered exactly
+    once; those named in ``optional`` may instead have no byte written. ``names`` maps the
+    names the engine was given to checkpoint names (a prefix the engine adds), identity by
+    default."""
+    to_checkpoint = names or {}
+    tensors = checkpoint.tensors
+
+    def info(name: str) -> TensorInfo:
+        return tensors[to_checkpoint.get(name, name)]
+
+    defaulted = _check_coverage(captured, list(required), frozenset(optional))
+    specs: list[SlabSpec] = []
+    routes = []
+    views: dict[str, torch.Tensor] = {}
+    for run in captured.runs:
+        target, flat = captured.targets[run.target]
+        source = info(run.tensor)
+        size = source.dtype.itemsize
+        count = run.nbytes // size
+        name = f"{target}@{run.dst}"
+        spec = SlabSpec(
+            name=name,
+            unit=unit_of_layer(target),
+            dtype=source.dtype,
+            slot_dims=(),
+            item_shape=(count,),
+            labels={"target": target, "tensor": run.tensor},
+        )
+        first = run.src // size
+        specs.append(spec)
+        routes.append(make_route(source, spec, (), elements=(first, first + count)))
+        views[name] = flat[run.dst : run.dst + run.nbytes].view(source.dtype)
+    # In checkpoint order, as they will be read.
+    why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
+    transformed = {n: why[n] for n in tensors if n in why}
+    # A tensor the loader took without a copy while recording is skipped, unless its values
+    # were read: then what it does with the real ones is the loader's to say.
+    untouched = (to_checkpoint.get(n, n) for n in captured.untouched)
+    skipped = tuple(n for n in untouched if n not in why)
+    # Claimed by name, not by ignore= patterns or a Dense pattern of every name: a model
+    # served in another dtype has every tensor transformed, and matching each name against
+    # a pattern per name is quadratic.
+    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=(*transformed, *skipped))
+    loaded = plan(checkpoint, [_Claimed(claim)])
+    extras = dict(loaded.extras)
+    extras["transformed_bytes"] = {n: tensors[n].nbytes for n in transformed}
+    loaded = dataclasses.replace(loaded, extras=MappingProxyType(extras))
+    return IntoPlan(
+        plan=loaded,
+        tensors=MappingProxyType(views),
+        transformed=MappingProxyType(transformed),
+        skipped=skipped,
+        fills=len(captured.fills),
+        defaulted=defaulted,
+    )
+
+
+class _Claimed:
+    """A rule that claims what was decided already."""
+
+    def __init__(self, claim: Claim) -> None:
+        self._claim = claim
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        return self._claim
+
+
+# --- completeness, per byte ------------------------------------------------------------
+
+
+def _check_coverage(
+    captured: Capture, required: Sequence[tuple[str, torch.Tensor]], optional: frozenset[str]
+) -> tuple[str, ...]:
+    """Raise :class:`CoverageError` for a byte of a required tensor written by two
+    checkpoint tensors, or by none (nor filled by the loader). An ``optional`` tensor with
+    no byte written is not an error: those are returned."""
+    writes: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    for run in captured.runs:
+        writes[run.target].append((run.dst, run.dst + run.nbytes, run.tensor))
+    for w in captured.writes:
+        writes[w.target].append((w.start, w.end, w.tensor))
+    covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for target, spans in writes.items():
+        spans.sort()
+        end, last = -1, ""
+        for a, b, source in spans:
+            if a < end and source != last:
+                name = captured.targets[target][0]
+                raise CoverageError(
+                    f"{source!r} and {last!r} both write bytes [{a}, {min(b, end)}) of "
+                    f"{name!r}: a byte may come from one checkpoint tensor only",
+                    tensor=source,
+                    slab=name,
+                )
+            if b > end:
+                end, last = b, source
+        covered[target].extend((a, b) for a, b, _ in spans)
+    for fill in captured.fills:
+        covered[fill.target].append((fill.start, fill.end))
+    merged = {t: _merge(spans) for t, spans in covered.items()}
+    by_ptr = {flat.untyped_storage().data_ptr(): i for i, (_, flat) in enumerate(captured.targets)}
+    writers = _writers(captured)
+    defaulted = []
+    for name, tensor in required:
+        if not tensor.numel():
+            continue
+        found = by_ptr.get(tensor.untyped_storage().data_ptr())
+        start = int(tensor.storage_offset()) * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        holes = _holes(merged.get(found, []) if found is not None else [], start, end)
+        if name in optional and holes == [(start, end)]:
+            defaulted.append(name)
+        elif holes:
+            a, b = holes[0]
+            guess = _guess(name, a - start, b - start, writers, required)
+            hint = f"; by analogy, expected {guess!r}" if guess else ""
+            where = _index_range(tensor, a - start, b - start)
+            raise CoverageError(
+                f"{where} of {name!r} (bytes [{a - start}, {b - start}) of "
+                f"{end - start}) come from no checkpoint tensor{hint}"
+                + (f" ({len(holes)} gaps in all)" if len(holes) > 1 else ""),
+                tensor=guess,
+                slab=name,
+                missing=holes,
+            )
+    return tuple(defaulted)
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _holes(spans: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    holes = []
+    at = start
+    for a, b in spans:
+        if b <= at:
+            continue
+        if a >= end:
+            break
+        if a > at:
+            holes.append((at, a))
+        at = max(at, b)
+    if at < end:
+        holes.append((at, end))
+    return holes
+
+
+def _writers(captured: Capture) -> dict[str, list[tuple[int, int, str]]]:
+    """Per destination name, which checkpoint tensor wrote which bytes (storage offsets)."""
+    out: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for run in captured.runs:
+        out[captured.targets[run.target][0]].append((run.dst, run.dst + run.nbytes, run.tensor))
+    for w in captured.writes:
+        out[captured.targets[w.target][0]].append((w.start, w.end, w.tensor))
+    return out
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _guess(
+    name: str,
+    a: int,
+    b: int,
+    writers: Mapping[str, list[tuple[int, int, str]]],
+    required: Sequence[tuple[str, torch.Tensor]],
+) -> str | None:
+    """The checkpoint tensor that would fill bytes ``[a, b)`` of ``name``, by analogy with a
+    sibling (the same name but for its numbers: another layer's) whose same bytes a tensor
+    filled: that tensor's name, with the sibling's numbers put back to ``name``'s."""
+    shape = _NUMBER.sub("#", name)
+    mine = _NUMBER.findall(name)
+    offsets = {n: int(t.storage_offset()) * t.element_size() for n, t in required}
+    for other, _ in required:
+        if other == name or _NUMBER.sub("#", other) != shape or other not in writers:
+            continue
+        base = offsets[other]
+        theirs = _NUMBER.findall(other)
+        for start, end, tensor in writers[other]:
+            if start - base <= a < end - base:
+                changes = {t: m for t, m in zip(theirs, mine, strict=True) if t != m}
+                parts = tensor.split(".")
+                for i, part in enumerate(parts):
+                    if part in changes and _same_context(parts, i, other, part):
+                        parts[i] = changes[part]
+                return ".".join(parts)
+    return None
+
+
+def _same_context(parts: list[str], i: int, other: str, number: str) -> bool:
+    """Whether ``parts[i]`` (a number) follows the same word in the tensor's name as
+    ``number`` does in the sibling's (``layers.3`` in both)."""
+    before = parts[i - 1] if i else ""
+    return f"{before}.{number}." in f"{other}." or not before
+
+
+def _index_range(tensor: torch.Tensor, a: int, b: int) -> str:
+    size = tensor.element_size()
+    first, last = a // size, (b - 1) // size
+    if tensor.dim() <= 1:
+        return f"elements {first}..{last}"
+    return f"indices {_unravel(first, tensor.shape)}..{_unravel(last, tensor.shape)}"
+
+
+def _unravel(index: int, shape: torch.Size) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        out.append(index % n)
+        index //= n
+    return out[::-1]

@@ -1,0 +1,348 @@
+"""vLLM's load format ``asyncslab``: every checkpoint byte read straight into vLLM's own
+parameters, where vLLM's own weight loaders would have put it.
+
+vLLM allocates the model; :func:`~asyncslab.engines._recording.capture` runs the model's
+``load_weights`` once on stand-ins to learn where each tensor goes (fused ``qkv_proj`` and
+``gate_up_proj`` shards, FusedMoE expert slots, a padded vocabulary, a tensor-parallel
+rank's rows), :func:`~asyncslab.engines._coverage.plan_into` checks that every parameter byte is
+covered exactly once, and one asyncslab load writes the payload into those parameters in
+place. Tensors vLLM transforms on the way (a dtype cast it was asked for) are read by
+asyncslab and handed to vLLM's loader as they are. Then vLLM post-processes as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+from ._recording import capture
+from .._errors import CheckpointError, LoadError
+from ..checkpoint._format import Checkpoint, gc_paused
+from ._coverage import IntoPlan, plan_into
+from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet
+from ..cli._progress import format_bytes
+from ._stream import runner, stream_tensors
+
+__all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
+
+LOAD_FORMAT = "asyncslab"
+
+# Under vLLM's logger, so that its handler and format apply (vLLM configures "vllm" only).
+logger = logging.getLogger("vllm.asyncslab")
+
+T = TypeVar("T")
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts
+    (the loader is looked up in the worker, not in the process the user started)."""
+    register_model_loader(LOAD_FORMAT)(AsyncSlabLoader)
+
+
+def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
+    """``--model-loader-extra-config`` as :class:`LoadOptions`: an unknown key or a bad value
+    is refused naming it, at startup."""
+    config = dict(config or {})
+    known = {f.name for f in dataclasses.fields(LoadOptions)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(
+            f"load format {LOAD_FORMAT!r}: unknown model_loader_extra_config key "
+            f"{unknown[0]!r}; the keys are LoadOptions fields: {', '.join(sorted(known))}"
+        )
+    try:
+        return LoadOptions(**config)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"load format {LOAD_FORMAT!r}: model_loader_extra_config: {err}") from err
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadReport:
+    """What one load into a vLLM model did (``AsyncSlabLoader.report``)."""
+
+    files: int
+    tensors: int
+    bytes: int
+    runs: int
+    parameters: int
+    transformed: tuple[str, ...]
+    transformed_bytes: int
+    skipped: tuple[str, ...]
+    #: Parameters vLLM gives a value of its own and takes from a checkpoint only if there
+    #: (KV-cache scales), which this checkpoint does not hold.
+    defaulted: tuple[str, ...]
+    capture_s: float
+    load_s: float
+    transformed_s: float
+    total_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
+
+    def summary(self) -> str:
+        done = (
+            f"asyncslab loaded {format_bytes(self.bytes)} of {self.tensors} tensors "
+            f"({self.files} files) into {self.parameters} parameters in {self.load_s:.2f} s "
+            f"({self.gbps:.2f} GB/s)"
+        )
+        rest = [f"recording destinations {self.capture_s:.2f} s"]
+        if self.transformed:
+            rest.append(
+                f"{len(self.transformed)} tensors ({format_bytes(self.transformed_bytes)}) "
+                f"transformed by vLLM's loaders in {self.transformed_s:.2f} s"
+            )
+        else:
+            rest.append("none transformed")
+        if self.skipped:
+            rest.append(f"{len(self.skipped)} skipped by vLLM ({', '.join(self.skipped[:3])})")
+        if self.defaulted:
+            rest.append(
+                f"{len(self.defaulted)} parameters kept vLLM's defaults "
+                f"({', '.join(self.defaulted[:3])})"
+            )
+        return f"{done}; {'; '.join(rest)}. Loading weights took {self.total_s:.2f} seconds"
+
+
+class AsyncSlabLoader(BaseModelLoader):
+    """``load_format="asyncslab"``. Extra-config keys are :class:`LoadOptions` fields.
+
+    ``report`` describes this loader's last load; ``last_report`` the last load of any in
+    this process (a worker's, for ``LLM.collective_rpc``)."""
+
+    last_report: LoadReport | None = None
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        self.options = options_from_config(load_config.model_loader_extra_config)
+        # vLLM's own file selection (download, index filtering, patterns), configured as
+        # for safetensors, which is what this format reads.
+        self._files = DefaultModelLoader(
+            dataclasses.replace(
+                load_config, load_format="safetensors", model_loader_extra_config={}
+            )
+        )
+        self.report: LoadReport | None = None
+
+    def download_model(self, model_config: Any) -> None:
+        self._files.download_model(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: Any) -> None:
+        # The collector paused: what the load allocates holds no cycle that must go before
+        # it ends, but its allocations would set off full passes over a vLLM worker's heap
+        # inside the load, each costing more than reading a small model; vLLM's load_model
+        # collects right after load_weights (tests/engines/test_vllm.py counts the passes).
+        with gc_paused():
+            self._load_weights(model, model_config)
+
+    def _load_weights(self, model: nn.Module, model_config: Any) -> None:
+        started = time.perf_counter()
+        checkpoint, names = self._checkpoint(model, model_config)
+        params = list(model.named_parameters(remove_duplicate=False))
+        targets = [*params, *model.named_buffers(remove_duplicate=False)]
+        device = _one_device(params)
+        stand_in_device = "cpu"  # where vLLM's own readers put the tensors they hand over
+        # Every vLLM model has one; nn.Module's typing only knows it as an attribute.
+        load = cast(Callable[[Iterable[tuple[str, torch.Tensor]]], Any], model.load_weights)
+        captured = capture(
+            load,
+            [
+                (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
+                for name, ck in names.items()
+            ],
+            targets,
+            device=stand_in_device,
+        )
+        recorded = time.perf_counter()
+        into = plan_into(checkpoint, captured, params, names=names, optional=_optional(model))
+        loaded = _run(self._load(checkpoint, into, device))
+        reads_done = time.perf_counter()
+        if into.transformed:
+            # Handed to vLLM's loaders as the default loader hands them, a window at a time:
+            # host memory stays two windows, where the transformed bytes can be the whole
+            # checkpoint (one served in another dtype).
+            vllm_name = {ck: name for name, ck in names.items()}
+            tensors = stream_tensors(
+                checkpoint, list(into.transformed), options=_host(self.options)
+            )
+            with contextlib.closing(tensors):
+                load((vllm_name[n], t) for n, t in tensors)
+        finished = time.perf_counter()
+        self.report = LoadReport(
+            files=len(checkpoint.files),
+            tensors=len(checkpoint.tensors),
+            bytes=loaded.bytes_landed,
+            runs=len(into.plan.routes),
+            parameters=len({id(p) for _, p in params}),
+            transformed=tuple(into.transformed),
+            transformed_bytes=into.transformed_bytes,
+            skipped=into.skipped,
+            defaulted=into.defaulted,
+            capture_s=recorded - started,
+            load_s=loaded.elapsed_s,
+            transformed_s=finished - reads_done,
+            total_s=finished - started,
+        )
+        AsyncSlabLoader.last_report = self.report
+        logger.info("%s", self.report.summary())
+
+    def get_all_weights(
+        self, model_config: Any, model: nn.Module
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpoint tensor by vLLM's name, as stored, for vLLM's in-place
+        ``reload_weights``: read by asyncslab into host memory a window at a time (see
+        ``_stream``), the next window read while vLLM's loaders take the current one."""
+        checkpoint, names = self._checkpoint(model, model_config)
+        vllm_name = {ck: name for name, ck in names.items()}
+        # Files vLLM reads hold nothing it would skip: every tensor goes to its loader.
+        tensors = stream_tensors(checkpoint, list(vllm_name), options=_host(self.options))
+        for name, tensor in tensors:
+            yield vllm_name[name], tensor
+
+    def _checkpoint(self, model: nn.Module, model_config: Any) -> tuple[Checkpoint, dict[str, str]]:
+        """The safetensors files vLLM would read, as one checkpoint, and the names vLLM
+        knows each tensor by (a source's prefix added) -> checkpoint names."""
+        sources = [
+            DefaultModelLoader.Source(
+                model_config.model,
+                model_config.revision,
+                prefix="",
+                fall_back_to_pt=False,
+                allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+                is_unused_weight=getattr(model, "is_unused_checkpoint_weight", None),
+            ),
+            *getattr(model, "secondary_weights", ()),
+        ]
+        files: list[str] = []
+        prefixes: list[tuple[str, list[str]]] = []
+        for source in sources:
+            folder, found, use_safetensors, index_name = self._files._prepare_weights(
+                source.model_or_path,
+                source.subfolder,
+                source.revision,
+                False,
+                source.allow_patterns_overrides,
+            )
+            if not use_safetensors:
+                raise CheckpointError(
+                    f"load format {LOAD_FORMAT!r} reads safetensors checkpoints; "
+                    f"{source.model_or_path} has none",
+                    file=source.model_or_path,
+                )
+            if source.is_unused_weight is not None:
+                from vllm.model_executor.model_loader.weight_utils import (
+                    filter_safetensors_files_by_weight_name,
+                )
+
+                found = filter_safetensors_files_by_weight_name(found, source.is_unused_weight)
+            index = Path(folder) / index_name
+            if source.allow_patterns_overrides is None and index.is_file():
+                # vLLM keeps the files the index lists and drops the rest; a file it lists
+                # that is not there, or a header that disagrees with it, is an error here
+                # (asyncslab's index checks: headers only), not tensors silently missing.
+                Checkpoint.open(index)
+            files.extend(found)
+            prefixes.append((source.prefix, found))
+        checkpoint = Checkpoint.open_files(files)
+        names: dict[str, str] = {}
+        for prefix, found in prefixes:
+            mine = {Path(f) for f in found}
+            for name, info in checkpoint.tensors.items():
+                if info.file in mine:
+                    names[prefix + name] = name
+        return checkpoint, names
+
+    async def _load(
+        self, checkpoint: Checkpoint, into: IntoPlan, device: torch.device
+    ) -> LoadStatistics:
+        """The load into vLLM's parameters."""
+        slabs = SlabSet(into.plan, device, tensors=into.tensors)
+        try:
+            await slabs.load(checkpoint, options=self.options, progress=_LogProgress(logger))
+            return slabs.statistics()
+        finally:
+            # The SlabSet only lent itself the parameters; closing it frees nothing of vLLM's.
+            await slabs.aclose()
+
+
+class _LogProgress:
+    """A progress line in vLLM's log about once a second (and none for a load that ends
+    within the first)."""
+
+    def __init__(self, log: logging.Logger, every: float = 1.0) -> None:
+        self._log = log
+        self._every = every
+        self._next = time.perf_counter() + every
+
+    def __call__(self, stats: LoadStatistics) -> None:
+        now = time.perf_counter()
+        if stats.state != "loading" or now < self._next:
+            return
+        self._next = now + self._every
+        eta = stats.eta_s
+        self._log.info(
+            "asyncslab: %.0f%% of %s, %.2f GB/s%s",
+            100 * stats.bytes_landed / max(1, stats.bytes_needed),
+            format_bytes(stats.bytes_needed),
+            stats.gbps,
+            f", about {eta:.0f} s left" if eta is not None else "",
+        )
+
+
+def _optional(model: nn.Module) -> set[str]:
+    """The parameters a checkpoint need not hold, as vLLM's own check of a quantized load
+    has them (``DefaultModelLoader.track_weights_loading``): those of a KV-cache
+    quantization method (scales vLLM initialises and overwrites only from a checkpoint
+    that has them), and those vLLM builds from the quantization config."""
+    out = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        kv_cache = isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod)
+        for name, _ in module.named_parameters(recurse=False, remove_duplicate=False):
+            if kv_cache or name in _CONFIG_BUILT:
+                out.add(f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+#: vLLM's ``default_loader._CONFIG_BUILT_PARAMS``, private to it.
+_CONFIG_BUILT = ("input_scale_ub",)
+
+
+def _one_device(params: Iterable[tuple[str, torch.Tensor]]) -> torch.device:
+    devices = {p.device for _, p in params}
+    if len(devices) != 1:
+        raise LoadError(
+            f"load format {LOAD_FORMAT!r} loads into parameters on one device; this model's "
+            f"are on {sorted(map(str, devices))}"
+        )
+    (device,) = devices
+    return device
+
+
+def _host(options: LoadOptions) -> LoadOptions:
+    """``options`` for a load into host memory (a CUDA load's may ask for staging)."""
+    return dataclasses.replace(options, transfer="auto")
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end from vLLM's synchronous call: on uvloop where installed,
+    in a thread of its own if this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return runner()(work)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
+        return pool.submit(runner(), work).result()

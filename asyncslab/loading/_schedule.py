@@ -1,0 +1,161 @@
+"""Stage 3: turn a plan's routes into a few large positional reads.
+
+Routes come sorted by file and offset. Neighbours whose gap is at most ``gap`` bytes merge
+into one read of at most ``max_read`` bytes (the gap is read and discarded: one syscall
+beats two when the gap is small). A tensor larger than ``max_read`` is split into chunks, so
+staging buffers of a fixed size can carry any tensor. Pure: no I/O.
+
+A mapped load (see ``_mapped``) reads nothing: it registers each read's pages with CUDA and
+copies out of them. CUDA refuses a page that is registered already, so :func:`windows`
+cuts its reads at fixed, page-aligned boundaries instead: no two reads share a page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..planning._plan import Plan
+
+__all__ = ["Piece", "ReadOp", "Schedule", "schedule", "windows"]
+
+
+#: ``(route, read_offset, dst_offset, nbytes)``: bytes ``[read_offset, read_offset + nbytes)``
+#: of a read belong at ``dst_offset`` of route ``route``'s slab (a whole tensor, or one chunk
+#: of a large one). A plain tuple, not a dataclass: a plan of many small tensors makes one
+#: per tensor, and a tuple is built in C where a dataclass instance runs ``__init__``.
+Piece = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """One positional read: ``nbytes`` at ``offset`` of ``plan.files[file]``."""
+
+    file: int
+    offset: int
+    nbytes: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """The reads of a load, interleaved across files so that concurrent workers read
+    different files; ``empty`` lists zero-byte routes, which land without a read."""
+
+    ops: tuple[ReadOp, ...]
+    empty: tuple[int, ...]
+    bytes_needed: int
+    bytes_read: int
+
+
+def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
+    if max_read <= 0:
+        raise ValueError(f"max_read must be positive, got {max_read}")
+    file_index = {f.path: i for i, f in enumerate(plan.files)}
+    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
+    empty: list[int] = []
+    needed = 0
+
+    start = end = 0
+    pieces: list[Piece] = []
+    current = -1
+    last_path: object = None
+    f = -1
+
+    for index, route in enumerate(plan.routes):
+        nbytes = route.nbytes
+        if nbytes == 0:
+            empty.append(index)
+            continue
+        needed += nbytes
+        if route.file is not last_path:  # routes come sorted by file: hash a path rarely
+            last_path = route.file
+            f = file_index[route.file]
+        r_start = route.src_offset
+        r_end = r_start + nbytes
+        if pieces and f == current and 0 <= r_start - end <= gap and r_end - start <= max_read:
+            pieces.append((index, r_start - start, route.dst_offset, nbytes))
+            end = r_end
+            continue
+        if pieces:
+            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+            pieces = []
+        current = f
+        if nbytes > max_read:
+            for chunk in range(0, nbytes, max_read):
+                n = min(max_read, nbytes - chunk)
+                per_file[f].append(
+                    ReadOp(f, r_start + chunk, n, ((index, 0, route.dst_offset + chunk, n),))
+                )
+            continue
+        start, end = r_start, r_end
+        pieces = [(index, 0, route.dst_offset, nbytes)]
+    if pieces:
+        per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+    return _assemble(per_file, empty, needed)
+
+
+def windows(plan: Plan, *, window: int) -> Schedule:
+    """The reads of a mapped load: each file's tensor bytes cut at every multiple of
+    ``window`` (a file offset), one read per window that holds any, from its first byte
+    needed to its last (gaps between tensors inside a window are spanned, not copied).
+
+    With ``window`` a multiple of the page size, the pages under two reads never overlap,
+    whatever order the routes come in, so each read's pages can be registered and released
+    on their own."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    file_index = {f.path: i for i, f in enumerate(plan.files)}
+    # (file, window) -> [(file offset, route, dst_offset, nbytes)]: routes may come in any
+    # order (a rule can take rows of a tensor for several slabs), and a window must still
+    # become a single read.
+    found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    empty: list[int] = []
+    needed = 0
+    last_path: object = None
+    f = -1
+    for index, route in enumerate(plan.routes):
+        nbytes = route.nbytes
+        if nbytes == 0:
+            empty.append(index)
+            continue
+        needed += nbytes
+        if route.file is not last_path:
+            last_path = route.file
+            f = file_index[route.file]
+        at, end, dst = route.src_offset, route.src_offset + nbytes, route.dst_offset
+        while at < end:
+            k = at // window
+            cut = min(end, (k + 1) * window)
+            found.setdefault((f, k), []).append((at, index, dst, cut - at))
+            dst += cut - at
+            at = cut
+    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
+    for (f, _), parts in sorted(found.items()):
+        start = min(p[0] for p in parts)
+        stop = max(p[0] + p[3] for p in parts)
+        pieces = tuple((route, at - start, dst, n) for at, route, dst, n in sorted(parts))
+        per_file[f].append(ReadOp(f, start, stop - start, pieces))
+    return _assemble(per_file, empty, needed)
+
+
+def _assemble(per_file: Sequence[Sequence[ReadOp]], empty: list[int], needed: int) -> Schedule:
+    ops = _interleave(per_file)
+    return Schedule(
+        ops=ops,
+        empty=tuple(empty),
+        bytes_needed=needed,
+        bytes_read=sum(op.nbytes for op in ops),
+    )
+
+
+def _interleave(per_file: Sequence[Sequence[ReadOp]]) -> tuple[ReadOp, ...]:
+    # Round-robin over files: workers taking ops in order spread over files (several files
+    # in flight), while each file is still read front to back.
+    out: list[ReadOp] = []
+    longest = max((len(ops) for ops in per_file), default=0)
+    for i in range(longest):
+        for ops in per_file:
+            if i < len(ops):
+                out.append(ops[i])
+    return tuple(out)

@@ -1,0 +1,27 @@
+"""The one place a load's transfer is chosen (``LoadOptions.transfer``, resolved for the
+device): direct reads into host slabs, staged reads then copies, or copies out of mapped
+shards. Each is a :class:`~asyncslab.loading._sink.TransferStrategy` in a module of its own."""
+
+from __future__ import annotations
+
+import torch
+
+from ._copy import Copier, CpuCopier, CudaCopier
+from ._strategy_direct import Direct
+from ._strategy_mapped import Mapped
+from ._options import LoadOptions, resolve_transfer
+from ._sink import TransferStrategy
+from ._strategy_staged import Staged
+
+__all__ = ["choose"]
+
+
+def choose(options: LoadOptions, device: torch.device) -> TransferStrategy:
+    """A fresh strategy for one load (it holds that load's buffers or mappings)."""
+    name = resolve_transfer(options.transfer, device)
+    if name == "direct":
+        return Direct(options)
+    copier: Copier = CudaCopier(device, options.streams) if device.type == "cuda" else CpuCopier()
+    if name == "staged":
+        return Staged(options, device, copier)
+    return Mapped(options, device, copier)
