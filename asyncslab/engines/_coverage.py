@@ -1,4 +1,5 @@
-"""A plan whose slabs are an engine's own tensors, from a :class:`~asyncslab.engines._recording.Capture`.
+"""A plan whose slabs are an engine's own tensors, from a
+:class:`~asyncslab.engines._recording.Capture`.
 
 Each byte run the engine's loader was recorded to copy becomes a slab: a 1-D view of the
 destination's storage at the run's place, and a route reading the run's elements of the
@@ -26,11 +27,11 @@ from types import MappingProxyType
 
 import torch
 
-from ._recording import Capture
-from .._errors import CoverageError
 from ..checkpoint._format import Checkpoint, TensorInfo
+from ..errors import CoverageError
 from ..planning._plan import Plan, plan
 from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
+from ._recording import Capture
 
 __all__ = ["IntoPlan", "plan_into"]
 

@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._errors import LoadError
 from ..checkpoint._format import Checkpoint, TensorInfo
-from ..loading._slabs import SlabSet, slab_layout
+from ..errors import LoadError
 from ..loading._options import LoadOptions
+from ..loading._slabs import SlabSet, slab_layout
 from ..planning._plan import Plan, plan
 from ..planning._rules import Dense
 

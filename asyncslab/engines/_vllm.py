@@ -1,26 +1,25 @@
 """vLLM's load format ``asyncslab``: every checkpoint byte read straight into vLLM's own
 parameters, where vLLM's own weight loaders would have put it.
 
-vLLM allocates the model; :func:`~asyncslab.engines._recording.capture` runs the model's
-``load_weights`` once on stand-ins to learn where each tensor goes (fused ``qkv_proj`` and
-``gate_up_proj`` shards, FusedMoE expert slots, a padded vocabulary, a tensor-parallel
-rank's rows), :func:`~asyncslab.engines._coverage.plan_into` checks that every parameter byte is
-covered exactly once, and one asyncslab load writes the payload into those parameters in
-place. Tensors vLLM transforms on the way (a dtype cast it was asked for) are read by
-asyncslab and handed to vLLM's loader as they are. Then vLLM post-processes as usual.
+vLLM allocates the model; :func:`~asyncslab.engines._engine_load.load_into_engine` runs the
+model's ``load_weights`` once on stand-ins to learn where each tensor goes (fused
+``qkv_proj`` and ``gate_up_proj`` shards, FusedMoE expert slots, a padded vocabulary, a
+tensor-parallel rank's rows), checks that every parameter byte is covered exactly once, and
+writes the payload into those parameters in place. Tensors vLLM transforms on the way (a
+dtype cast it was asked for) are read by asyncslab and handed to vLLM's loader as they are.
+Then vLLM post-processes as usual. This module holds only vLLM's side: the files vLLM would
+read, the names it knows them by, the parameters it lets a checkpoint leave out, its
+options, log and report.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -29,13 +28,12 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ._recording import capture
-from .._errors import CheckpointError, LoadError
 from ..checkpoint._format import Checkpoint, gc_paused
-from ._coverage import IntoPlan, plan_into
-from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet
 from ..cli._progress import format_bytes
-from ._stream import runner, stream_tensors
+from ..errors import CheckpointError
+from ..loading._slabs import LoadOptions, LoadStatistics
+from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
+from ._stream import stream_tensors
 
 __all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
 
@@ -43,8 +41,6 @@ LOAD_FORMAT = "asyncslab"
 
 # Under vLLM's logger, so that its handler and format apply (vLLM configures "vllm" only).
 logger = logging.getLogger("vllm.asyncslab")
-
-T = TypeVar("T")
 
 
 def register() -> None:
@@ -71,28 +67,10 @@ def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class LoadReport:
-    """What one load into a vLLM model did (``AsyncSlabLoader.report``)."""
-
-    files: int
-    tensors: int
-    bytes: int
-    runs: int
-    parameters: int
-    transformed: tuple[str, ...]
-    transformed_bytes: int
-    skipped: tuple[str, ...]
-    #: Parameters vLLM gives a value of its own and takes from a checkpoint only if there
-    #: (KV-cache scales), which this checkpoint does not hold.
-    defaulted: tuple[str, ...]
-    capture_s: float
-    load_s: float
-    transformed_s: float
-    total_s: float
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
+class LoadReport(EngineLoad):
+    """What one load into a vLLM model did (``AsyncSlabLoader.report``). ``defaulted``:
+    parameters vLLM gives a value of its own and takes from a checkpoint only if there
+    (KV-cache scales), which this checkpoint does not hold."""
 
     def summary(self) -> str:
         done = (
@@ -152,51 +130,24 @@ class AsyncSlabLoader(BaseModelLoader):
     def _load_weights(self, model: nn.Module, model_config: Any) -> None:
         started = time.perf_counter()
         checkpoint, names = self._checkpoint(model, model_config)
-        params = list(model.named_parameters(remove_duplicate=False))
-        targets = [*params, *model.named_buffers(remove_duplicate=False)]
-        device = _one_device(params)
-        stand_in_device = "cpu"  # where vLLM's own readers put the tensors they hand over
-        # Every vLLM model has one; nn.Module's typing only knows it as an attribute.
-        load = cast(Callable[[Iterable[tuple[str, torch.Tensor]]], Any], model.load_weights)
-        captured = capture(
-            load,
-            [
-                (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
-                for name, ck in names.items()
-            ],
-            targets,
-            device=stand_in_device,
+        engine = Engine(
+            # Every vLLM model has one; nn.Module's typing only knows it as an attribute.
+            load=cast(WeightLoader, model.load_weights),
+            parameters=tuple(model.named_parameters(remove_duplicate=False)),
+            buffers=tuple(model.named_buffers(remove_duplicate=False)),
+            names=names,
+            optional=frozenset(_optional(model)),
+            stand_ins="cpu",  # where vLLM's own readers put the tensors they hand over
         )
-        recorded = time.perf_counter()
-        into = plan_into(checkpoint, captured, params, names=names, optional=_optional(model))
-        loaded = _run(self._load(checkpoint, into, device))
-        reads_done = time.perf_counter()
-        if into.transformed:
-            # Handed to vLLM's loaders as the default loader hands them, a window at a time:
-            # host memory stays two windows, where the transformed bytes can be the whole
-            # checkpoint (one served in another dtype).
-            vllm_name = {ck: name for name, ck in names.items()}
-            tensors = stream_tensors(
-                checkpoint, list(into.transformed), options=_host(self.options)
-            )
-            with contextlib.closing(tensors):
-                load((vllm_name[n], t) for n, t in tensors)
-        finished = time.perf_counter()
-        self.report = LoadReport(
-            files=len(checkpoint.files),
-            tensors=len(checkpoint.tensors),
-            bytes=loaded.bytes_landed,
-            runs=len(into.plan.routes),
-            parameters=len({id(p) for _, p in params}),
-            transformed=tuple(into.transformed),
-            transformed_bytes=into.transformed_bytes,
-            skipped=into.skipped,
-            defaulted=into.defaulted,
-            capture_s=recorded - started,
-            load_s=loaded.elapsed_s,
-            transformed_s=finished - reads_done,
-            total_s=finished - started,
+        entered = time.perf_counter()
+        done = load_into_engine(
+            checkpoint, engine, options=self.options, progress=_LogProgress(logger)
         )
+        # vLLM's file selection counts with the recording: both come before the reads.
+        before = entered - started
+        figures = {f.name: getattr(done, f.name) for f in dataclasses.fields(done)}
+        figures.update(capture_s=before + done.capture_s, total_s=before + done.total_s)
+        self.report = LoadReport(**figures)
         AsyncSlabLoader.last_report = self.report
         logger.info("%s", self.report.summary())
 
@@ -209,7 +160,7 @@ class AsyncSlabLoader(BaseModelLoader):
         checkpoint, names = self._checkpoint(model, model_config)
         vllm_name = {ck: name for name, ck in names.items()}
         # Files vLLM reads hold nothing it would skip: every tensor goes to its loader.
-        tensors = stream_tensors(checkpoint, list(vllm_name), options=_host(self.options))
+        tensors = stream_tensors(checkpoint, list(vllm_name), options=host(self.options))
         for name, tensor in tensors:
             yield vllm_name[name], tensor
 
@@ -266,18 +217,6 @@ class AsyncSlabLoader(BaseModelLoader):
                     names[prefix + name] = name
         return checkpoint, names
 
-    async def _load(
-        self, checkpoint: Checkpoint, into: IntoPlan, device: torch.device
-    ) -> LoadStatistics:
-        """The load into vLLM's parameters."""
-        slabs = SlabSet(into.plan, device, tensors=into.tensors)
-        try:
-            await slabs.load(checkpoint, options=self.options, progress=_LogProgress(logger))
-            return slabs.statistics()
-        finally:
-            # The SlabSet only lent itself the parameters; closing it frees nothing of vLLM's.
-            await slabs.aclose()
-
 
 class _LogProgress:
     """A progress line in vLLM's log about once a second (and none for a load that ends
@@ -319,30 +258,3 @@ def _optional(model: nn.Module) -> set[str]:
 
 #: vLLM's ``default_loader._CONFIG_BUILT_PARAMS``, private to it.
 _CONFIG_BUILT = ("input_scale_ub",)
-
-
-def _one_device(params: Iterable[tuple[str, torch.Tensor]]) -> torch.device:
-    devices = {p.device for _, p in params}
-    if len(devices) != 1:
-        raise LoadError(
-            f"load format {LOAD_FORMAT!r} loads into parameters on one device; this model's "
-            f"are on {sorted(map(str, devices))}"
-        )
-    (device,) = devices
-    return device
-
-
-def _host(options: LoadOptions) -> LoadOptions:
-    """``options`` for a load into host memory (a CUDA load's may ask for staging)."""
-    return dataclasses.replace(options, transfer="auto")
-
-
-def _run(work: Coroutine[Any, Any, T]) -> T:
-    """Run a coroutine to its end from vLLM's synchronous call: on uvloop where installed,
-    in a thread of its own if this thread already runs an event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return runner()(work)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
-        return pool.submit(runner(), work).result()

@@ -179,7 +179,7 @@ def loads(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _change_before_read(path: Path) -> None:
     """Replace ``path`` (same size, other bytes) once the plan is made, before any read."""
-    import asyncslab.engines._vllm as glue
+    import asyncslab.engines._engine_load as glue
 
     real = glue.SlabSet
 

@@ -1,0 +1,193 @@
+"""A checkpoint loaded into an engine's own tensors, the engine's own loader deciding where.
+
+The sequence every engine adapter runs, and nothing of any one engine: record the engine's
+loader on stand-ins (:func:`~asyncslab.engines._recording.capture`), plan into the tensors
+it writes with every byte covered once (:func:`~asyncslab.engines._coverage.plan_into`),
+load that plan in place, then hand the tensors the loader transforms (a cast, a computed
+value) to the loader itself, read a window at a time
+(:func:`~asyncslab.engines._stream.stream_tensors`).
+An adapter describes its engine as an :class:`Engine` (its loader, its parameters, the names
+it knows the checkpoint's tensors by) and keeps only its engine's glue: finding the files,
+options from its configuration, its logging, its report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from ..checkpoint._format import Checkpoint
+from ..errors import LoadError
+from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
+from ..loading._slabs import SlabSet
+from ._coverage import IntoPlan, plan_into
+from ._recording import capture
+from ._stream import runner, stream_tensors
+
+__all__ = ["Engine", "EngineLoad", "WeightLoader", "host", "load_into_engine", "run_sync"]
+
+T = TypeVar("T")
+
+#: An engine's own weight loader: it takes ``(name, tensor)`` pairs and copies each where
+#: it belongs (vLLM's ``model.load_weights``).
+WeightLoader = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Engine:
+    """What the sequence needs of an engine, as its adapter found it.
+
+    ``load`` is the engine's own loader: run once on stand-ins to record where each tensor
+    goes, then again on the real tensors it transforms. ``parameters`` must each be covered
+    byte for byte (by checkpoint tensors, or by what the loader fills itself), except those
+    named in ``optional``, which may instead be left as the engine set them. ``buffers`` may
+    be written too, and need not be. ``names`` maps the names the loader takes to checkpoint
+    names (the loader is given exactly these); ``None``: every checkpoint tensor, under its
+    own name. ``stand_ins`` is the device of the tensors the engine's own reader would hand
+    its loader.
+    """
+
+    load: WeightLoader
+    parameters: tuple[tuple[str, torch.Tensor], ...]
+    buffers: tuple[tuple[str, torch.Tensor], ...] = ()
+    names: Mapping[str, str] | None = None
+    optional: frozenset[str] = frozenset()
+    stand_ins: str = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What one load into an engine's tensors did.
+
+    ``bytes`` were read straight into the engine's tensors by ``runs`` routes;
+    ``transformed`` (checkpoint names, with ``transformed_bytes``) went through the
+    engine's loader instead; ``skipped`` it took and dropped; ``defaulted`` are optional
+    parameters no checkpoint tensor wrote. Seconds: recording the loader (``capture_s``),
+    the load, feeding the transformed tensors, and all of it."""
+
+    files: int
+    tensors: int
+    bytes: int
+    runs: int
+    parameters: int
+    transformed: tuple[str, ...]
+    transformed_bytes: int
+    skipped: tuple[str, ...]
+    defaulted: tuple[str, ...]
+    capture_s: float
+    load_s: float
+    transformed_s: float
+    total_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
+
+
+def load_into_engine(
+    checkpoint: Checkpoint,
+    engine: Engine,
+    *,
+    options: LoadOptions | None = None,
+    progress: ProgressCallback | None = None,
+) -> EngineLoad:
+    """Load ``checkpoint`` into ``engine``'s tensors where its own loader would put each
+    byte, in place (every parameter keeps its memory), and return what was done.
+
+    Synchronous, as engines call their loaders: the load runs on an event loop of its own
+    (in a thread where this thread runs one already). Raises
+    :class:`~asyncslab.errors.CaptureError` if the loader fails on the stand-ins or replaces
+    a parameter's memory, :class:`~asyncslab.errors.CoverageError` (before any read) for a
+    parameter byte no tensor or two tensors write, and the load's errors."""
+    options = options or LoadOptions()
+    started = time.perf_counter()
+    device = _one_device(engine.parameters)
+    names = engine.names if engine.names is not None else {n: n for n in checkpoint.tensors}
+    captured = capture(
+        engine.load,
+        [
+            (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
+            for name, ck in names.items()
+        ],
+        [*engine.parameters, *engine.buffers],
+        device=engine.stand_ins,
+    )
+    recorded = time.perf_counter()
+    into = plan_into(checkpoint, captured, engine.parameters, names=names, optional=engine.optional)
+    loaded = run_sync(_load(checkpoint, into, device, options, progress))
+    reads_done = time.perf_counter()
+    if into.transformed:
+        # Handed to the engine's loader a window at a time, as its own reader would: host
+        # memory stays two windows, where the transformed bytes can be the whole checkpoint
+        # (one served in another dtype).
+        engine_name = {ck: name for name, ck in names.items()}
+        tensors = stream_tensors(checkpoint, list(into.transformed), options=host(options))
+        with contextlib.closing(tensors):
+            engine.load((engine_name[n], t) for n, t in tensors)
+    finished = time.perf_counter()
+    return EngineLoad(
+        files=len(checkpoint.files),
+        tensors=len(checkpoint.tensors),
+        bytes=loaded.bytes_landed,
+        runs=len(into.plan.routes),
+        parameters=len({id(p) for _, p in engine.parameters}),
+        transformed=tuple(into.transformed),
+        transformed_bytes=into.transformed_bytes,
+        skipped=into.skipped,
+        defaulted=into.defaulted,
+        capture_s=recorded - started,
+        load_s=loaded.elapsed_s,
+        transformed_s=finished - reads_done,
+        total_s=finished - started,
+    )
+
+
+async def _load(
+    checkpoint: Checkpoint,
+    into: IntoPlan,
+    device: torch.device,
+    options: LoadOptions,
+    progress: ProgressCallback | None,
+) -> LoadStatistics:
+    slabs = SlabSet(into.plan, device, tensors=into.tensors)
+    try:
+        await slabs.load(checkpoint, options=options, progress=progress)
+        return slabs.statistics()
+    finally:
+        # The SlabSet only lent itself the engine's tensors; closing it frees none of them.
+        await slabs.aclose()
+
+
+def _one_device(parameters: Iterable[tuple[str, torch.Tensor]]) -> torch.device:
+    devices = {p.device for _, p in parameters}
+    if len(devices) != 1:
+        raise LoadError(
+            "asyncslab loads into an engine's parameters on one device; this engine's are "
+            f"on {sorted(map(str, devices))}"
+        )
+    (device,) = devices
+    return device
+
+
+def host(options: LoadOptions) -> LoadOptions:
+    """``options`` for a load into host memory (a CUDA load's may ask for staging)."""
+    return dataclasses.replace(options, transfer="auto")
+
+
+def run_sync(work: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end from an engine's synchronous call: on uvloop where
+    installed, in a thread of its own if this thread already runs an event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return runner()(work)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
+        return pool.submit(runner(), work).result()

@@ -1,0 +1,164 @@
+"""The engine-neutral load (``_engine_load``), driven by a toy engine that is not vLLM: a
+plain torch module whose own loader fuses q, k and v into one parameter, casts the norms it
+is given in float32 to its bfloat16, writes a buffer, skips the rotary table, and knows
+every tensor by a prefix the checkpoint lacks. The property: the engine's tensors hold
+exactly what its loader writes given the tensors safetensors reads, in the memory they had."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from asyncslab import Checkpoint
+from asyncslab.engines._engine_load import Engine, load_into_engine
+from asyncslab.errors import CoverageError
+
+LAYERS = 2
+PREFIX = "model."
+
+
+class Fused(nn.Module):
+    """Per layer ``qkv`` (q, k, v stacked by rows), a ``norm`` and a ``bias`` buffer; an
+    optional ``scale`` the engine sets itself and takes from a checkpoint only if there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Parameter(torch.full((8, 4), 9.0, dtype=torch.bfloat16), False)
+        self.layers = nn.ModuleList(nn.Module() for _ in range(LAYERS))
+        for layer in self.layers:
+            layer.qkv = nn.Parameter(torch.full((12, 4), 9.0, dtype=torch.bfloat16), False)
+            layer.norm = nn.Parameter(torch.full((4,), 9.0, dtype=torch.bfloat16), False)
+            layer.register_buffer("bias", torch.full((4,), 9.0, dtype=torch.bfloat16))
+        self.scale = nn.Parameter(torch.ones(1), False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for full, w in weights:
+            name = full.removeprefix(PREFIX)
+            parts = name.split(".")
+            if name == "embed":
+                self.embed.data.copy_(w)
+            elif name == "inv_freq":
+                continue
+            elif name == "scale":
+                self.scale.data.copy_(w)
+            elif parts[0] == "layers":
+                layer = self.layers[int(parts[1])]
+                kind = parts[2]
+                if kind in ("q", "k", "v"):
+                    row = 4 * "qkv".index(kind)
+                    layer.qkv.data.narrow(0, row, 4).copy_(w)
+                elif kind == "norm":
+                    layer.norm.data.copy_(w)  # float32 into bfloat16: a cast
+                elif kind == "bias":
+                    layer.bias.copy_(w)
+                else:
+                    raise KeyError(f"no parameter for {full!r}")
+            else:
+                raise KeyError(f"no parameter for {full!r}")
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    out = {
+        "embed": torch.randn(8, 4, generator=g).bfloat16(),
+        "inv_freq": torch.randn(2, generator=g),
+    }
+    for layer in range(LAYERS):
+        for kind in "qkv":
+            out[f"layers.{layer}.{kind}"] = torch.randn(4, 4, generator=g).bfloat16()
+        out[f"layers.{layer}.norm"] = torch.randn(4, generator=g)  # float32 on disk
+        out[f"layers.{layer}.bias"] = torch.randn(4, generator=g).bfloat16()
+    return out
+
+
+def write(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    names = sorted(tensors)
+    half = len(names) // 2
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    save_file({n: tensors[n] for n in names[:half]}, str(paths[0]))
+    save_file({n: tensors[n] for n in names[half:]}, str(paths[1]))
+    return Checkpoint.open_files(paths)
+
+
+def engine_of(model: Fused, ckpt: Checkpoint) -> Engine:
+    return Engine(
+        load=model.load_weights,
+        parameters=tuple(model.named_parameters()),
+        buffers=tuple(model.named_buffers()),
+        names={PREFIX + n: n for n in ckpt.tensors},
+        optional=frozenset({"scale"}),
+    )
+
+
+def by_its_own_loader(ckpt: Checkpoint) -> Fused:
+    """The engine loaded the engine's way: every tensor as safetensors reads it."""
+    model = Fused()
+    for f in ckpt.files:
+        with safe_open(str(f.path), "pt") as reader:
+            model.load_weights((PREFIX + n, reader.get_tensor(n)) for n in reader.keys())
+    return model
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.view(torch.uint8) for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def pointers(model: nn.Module) -> dict[str, int]:
+    return {n: t.data_ptr() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+def test_the_engines_tensors_hold_what_its_own_loader_writes_in_their_own_memory(
+    tmp_path: Path,
+) -> None:
+    tensors = weights()
+    ckpt = write(tmp_path, tensors)
+    model = Fused()
+    before = pointers(model)
+    report = load_into_engine(ckpt, engine_of(model, ckpt))
+    assert pointers(model) == before
+    expected = state(by_its_own_loader(ckpt))
+    got = state(model)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+    # The norms went through the engine's loader (a cast); the rest was read in place.
+    assert report.transformed == ("layers.0.norm", "layers.1.norm")
+    assert report.transformed_bytes == 2 * 4 * 4
+    assert report.skipped == ("inv_freq",)
+    assert report.defaulted == ("scale",)
+    in_place = ("inv_freq", "layers.0.norm", "layers.1.norm")
+    assert report.bytes == sum(t.nbytes for n, t in tensors.items() if n not in in_place)
+    assert (report.files, report.tensors) == (2, len(tensors))
+    assert report.parameters == 1 + 2 * LAYERS + 1
+
+
+@pytest.mark.asyncio
+async def test_from_a_thread_that_runs_an_event_loop(tmp_path: Path) -> None:
+    """An engine may call its loader from inside a running loop: the load runs in a loop
+    of its own on another thread."""
+    ckpt = write(tmp_path, weights())
+    model = Fused()
+    load_into_engine(ckpt, engine_of(model, ckpt))
+    expected = state(by_its_own_loader(ckpt))
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
+
+
+def test_a_missing_tensor_is_refused_naming_it_before_any_read(tmp_path: Path) -> None:
+    tensors = weights()
+    del tensors["layers.1.v"]
+    ckpt = write(tmp_path, tensors)
+    model = Fused()
+    with pytest.raises(CoverageError, match=r"of 'layers\.1\.qkv'") as info:
+        load_into_engine(ckpt, engine_of(model, ckpt))
+    # Named as the engine's loader would have been given it, by analogy with layer 0.
+    assert "expected 'model.layers.1.v'" in str(info.value)
+    assert info.value.tensor == "model.layers.1.v"
+    # Nothing was read: every byte still holds the value the engine gave it.
+    assert all((layer.qkv == 9).all() and (layer.norm == 9).all() for layer in model.layers)
+    assert (model.embed == 9).all()
