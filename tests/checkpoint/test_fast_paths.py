@@ -35,14 +35,9 @@ from asyncslab import (
     TieredMoE,
     plan,
 )
-from asyncslab.checkpoint._format import (
-    _ITEMSIZE,
-    _parse_compact,
-    _parse_general,
-    _parse_index,
-    _weight_map_compact,
-    frozen_columns,
-)
+from asyncslab.checkpoint._format import frozen_columns
+from asyncslab.checkpoint._header import _ITEMSIZE, _parse_compact, _parse_general
+from asyncslab.checkpoint._index import _parse_index, _weight_map_compact
 from asyncslab.planning._plan import _valid, _validate
 from asyncslab.planning._vocabulary import Route, make_route, unit_of_layer
 from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
@@ -301,22 +296,22 @@ def test_index_rewritten_while_opening_is_an_error_not_a_crash(
 ) -> None:
     """The compact index disagrees with the headers, so the index is read again to name the
     culprit; if it was rewritten meanwhile (now agreeing), opening still fails cleanly."""
-    from asyncslab.checkpoint import _format
+    from asyncslab.checkpoint import _index
 
     save_file({"a": torch.zeros(2), "b": torch.ones(2)}, str(tmp_path / "m.safetensors"))
     good = json.dumps({"weight_map": {"a": "m.safetensors", "b": "m.safetensors"}})
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "m.safetensors", "a2": "m.safetensors"}})
     )
-    monkeypatch.setattr(_format, "_index_text", lambda path: good)
-    real = _format._weight_map_compact
+    monkeypatch.setattr(_index, "_index_text", lambda path: good)
+    real = _index._weight_map_compact
     calls: list[int] = []
 
     def first_read_is_stale(text: str) -> tuple[list[str], list[str]] | None:
         calls.append(1)
         return (["a", "a2"], ["m.safetensors"] * 2) if len(calls) == 1 else real(text)
 
-    monkeypatch.setattr(_format, "_weight_map_compact", first_read_is_stale)
+    monkeypatch.setattr(_index, "_weight_map_compact", first_read_is_stale)
     with pytest.raises(IndexFileError, match="index changed while the checkpoint was opened"):
         Checkpoint.open(tmp_path)
 
