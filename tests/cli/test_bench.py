@@ -1,5 +1,6 @@
-"""Smoke tests of ``asyncslab bench`` and ``benchmarks/gpu_bench.py``: they run, print what
-they promise and write parseable JSON. No timing is asserted (shared machines are noisy)."""
+"""Smoke tests of ``asyncslab bench``, ``benchmarks/targets.py`` (its verdicts on the bench's
+figures) and ``benchmarks/gpu_bench.py``: they run, print what they promise and write
+parseable JSON. No timing is asserted (shared machines are noisy)."""
 
 from __future__ import annotations
 
@@ -65,9 +66,35 @@ def test_run_prints_every_contender(smoke: dict[str, Any]) -> None:
     for name in CONTENDERS:
         assert name in table, name
     assert "mode warm-fresh" in table
-    assert "targets" in table
-    assert "PASS" in table or "MISS" in table
+    assert "figures (benchmarks/targets.py judges them" in table
+    assert "PASS" not in table  # the library measures; benchmarks/targets.py judges
+    assert "MISS" not in table
     assert "longest tick" in table
+
+
+def test_targets_judge_the_figures_of_a_report(
+    smoke: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    targets = _script("targets")
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(smoke["json"]))
+    assert targets.main([str(report)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("targets (measured vs goal; never asserted):")
+    assert "PASS" in out or "MISS" in out
+    figures = smoke["json"]["figures"]
+    judged = [f for f in figures if targets.goal_of(f) is not None]
+    assert judged == figures  # every figure the bench reports has a goal
+    for figure in figures:
+        assert f"  {figure['label']}: " in out, figure
+    rss = {"figure": "peak_rss_growth_mib", "label": "rss", "slabs_and_staging_mib": 40.0}
+    for measured, ok in ((104.0, True), (104.5, False), (None, None)):
+        (verdict,) = targets.judge({"figures": [{**rss, "measured": measured}]})
+        assert (verdict["ok"], verdict["goal"]) == (ok, "<= 104 (slabs + staging + 64 MiB)")
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"summary": {}}))
+    assert targets.main([str(empty)]) == 2
+    assert "no figures" in capsys.readouterr().err
 
 
 def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> None:
@@ -96,7 +123,10 @@ def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> Non
         else:  # the adapter drove the real library and every sampled slot holds its bytes
             assert [r.get("error") for r in peer_recs] == [None], peer
             assert peer_recs[0]["verified"] == peer_recs[0]["tensors"], peer
-    assert {t["target"] for t in report["targets"]}
+    keys = {f["figure"] for f in report["figures"]}
+    assert {"fresh_x_bound", "peak_rss_growth_mib", "lag_p99_ms", "lag_max_ms"} <= keys
+    fresh = next(f for f in report["figures"] if f["figure"] == "fresh_x_bound")
+    assert fresh["measured"] == report["summary"]["warm-fresh"]["asyncslab"]["x_bound"]
 
 
 def test_generated_checkpoint_is_removed_without_keep(smoke: dict[str, Any]) -> None:
@@ -184,6 +214,13 @@ def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         assert installed <= got  # peers too, where installed
         assert {r["tensors"] for r in records if r["plan"] == plan} == {2000}
         assert all(r["verified"] > 0 for r in records if r["plan"] == plan), plan
+    report = json.loads(out.read_text())
+    rates = {f["figure"]: f["measured"] for f in report["figures"]}
+    assert set(rates) == {"many_small_dense_tensors_per_s", "many_small_stack_tensors_per_s"}
+    assert all(rate > 0 for rate in rates.values())
+    verdicts = _script("targets").judge(report)
+    assert [t["goal"] for t in verdicts] == [">= 200,000"] * 2
+    assert all(t["ok"] is not None for t in verdicts)
 
 
 def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
@@ -415,12 +452,17 @@ def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() ->
         {"asyncslab": {"seconds": 2.0}, peers[0]: {"error": "x"}, peers[1]: {"seconds": 8.0}},
         {"asyncslab": {"seconds": 1.0}, peers[0]: {"seconds": 0.5}},
     ]
-    targets = _bench._targets({"warm-fresh": {}}, {"warm-fresh": runs}, [], 1)
-    (best,) = [t for t in targets if t["target"].startswith("warm fresh: best peer")]
+    figures = _bench._figures({"warm-fresh": {}}, {"warm-fresh": runs}, [], 1)
+    (best,) = [f for f in figures if f["label"].startswith("warm fresh: best peer")]
+    assert best["figure"] == "fresh_best_peer_x_asyncslab"
     assert best["measured"] == 2.0  # median of 2/1, 8/2, 0.5/1
-    assert best["ok"] is True
-    no_peers = _bench._targets({}, {"warm-fresh": [{"asyncslab": {"seconds": 1.0}}]}, [], 1)
-    assert not [t for t in no_peers if "best peer" in t["target"]]
+    (verdict,) = [
+        t for t in _script("targets").judge({"figures": figures}) if "best peer" in t["target"]
+    ]
+    assert verdict["ok"] is True
+    assert verdict["goal"] == "> 1 (asyncslab faster)"
+    no_peers = _bench._figures({}, {"warm-fresh": [{"asyncslab": {"seconds": 1.0}}]}, [], 1)
+    assert not [f for f in no_peers if "best peer" in f["label"]]
 
 
 def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -522,7 +564,7 @@ def test_longest_tick_names_its_load_and_the_steal_during_it() -> None:
 
 
 def test_the_table_says_what_asyncslab_times_leave_out_and_the_lag_by_time(
-    smoke: dict[str, Any],
+    smoke: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # asyncslab's clock starts after opening and planning the checkpoint, while the old
     # path and direct copy parse their headers inside theirs: the table used not to say so.
@@ -530,7 +572,12 @@ def test_the_table_says_what_asyncslab_times_leave_out_and_the_lag_by_time(
     assert "leave out opening the checkpoint and planning" in table
     assert "asyncslab fresh with it" in table
     assert "weighted by time" in table
-    lines = [line for line in table.splitlines() if "(goal" in line]
+    ratio = next(line for line in table.splitlines() if "asyncslab / bound-N (fresh):" in line)
+    assert re.search(r": \d+\.\d{3}$", ratio), ratio  # 1.1549 would read as 1.15
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps(smoke["json"]))
+    assert _script("targets").main([str(report)]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "(goal" in line]
     ratio = next(line for line in lines if "asyncslab / bound-N (fresh)" in line)
     assert re.search(r": \d+\.\d{3} \(goal", ratio), ratio  # 1.15 rounded could be a MISS
 
@@ -593,11 +640,22 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
     # six tries, and the cold target was judged on warm reads.
     runs = [{"asyncslab": {"seconds": 1.0, "cached_after_drop": 1.0}, "bound-N": {"seconds": 1.0}}]
     summary = {"cold": {"asyncslab": {"x_best_bound": 1.0}}}
-    (cold,) = [t for t in _bench._targets(summary, {"cold": runs}, [], 1) if "cold" in t["target"]]
+    judge = _script("targets").judge
+
+    def cold_verdict() -> tuple[dict[str, Any], dict[str, Any]]:
+        figures = _bench._figures(summary, {"cold": runs}, [], 1)
+        (figure,) = [f for f in figures if f["figure"] == "cold_x_best_bound"]
+        (verdict,) = [t for t in judge({"figures": figures}) if "cold" in t["target"]]
+        return figure, verdict
+
+    figure, cold = cold_verdict()
+    assert figure["not_cold"] is True
+    assert "the shards cached" in figure["label"]
     assert cold["ok"] is None
     assert "not judged" in cold["target"]
     runs[0]["asyncslab"]["cached_after_drop"] = 0.0
-    (cold,) = [t for t in _bench._targets(summary, {"cold": runs}, [], 1) if "cold" in t["target"]]
+    figure, cold = cold_verdict()
+    assert figure["not_cold"] is False
     assert cold["ok"] is True
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
