@@ -12,8 +12,9 @@ checkpoint writer and a verifier: ``asyncslab.testing``. Beside: ``asyncslab.dis
 
 from . import errors as errors
 from . import rules as rules
+from .checkpoint._format import Checkpoint, ShardFile, TensorInfo
 from .engines._binding import Target, bind_module
-from ._errors import (
+from .errors import (
     AsyncSlabError,
     BindError,
     CheckpointError,
@@ -23,7 +24,6 @@ from ._errors import (
     LoadError,
     PlanError,
 )
-from .checkpoint._format import Checkpoint, ShardFile, TensorInfo
 from .loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
 from .planning._moe import TieredMoE, load_tier_map
 from .planning._plan import Plan, plan

@@ -1,8 +1,10 @@
-"""Every error asyncslab raises, one hierarchy. Each also derives from the builtin a caller
-would naturally catch (``ValueError`` for bad files and plans, ``RuntimeError`` for a broken
-load), and keeps what it names (``file``, ``tensor``, ``details``: layer, expert, slot,
-expected, got) as attributes. The base and the categories are also at the top level
-(``asyncslab.PlanError``); this module has them all.
+"""Every error asyncslab raises, one hierarchy, defined here. Each also derives from the
+builtin a caller would naturally catch (``ValueError`` for bad files and plans,
+``RuntimeError`` for a broken load), and keeps what it names (``file``, ``tensor``,
+``details``: layer, expert, slot, expected, got) as attributes. The base and the categories
+are also at the top level (``asyncslab.PlanError``); ``asyncslab.distributed`` also exports
+its own. The tree below is the one place it is written (``docs/errors.md`` shows it, and
+``tests/test_exports.py`` checks both against the classes):
 
     AsyncSlabError
     ├── CheckpointError (ValueError): a file or index that is not what it says
@@ -20,48 +22,26 @@ expected, got) as attributes. The base and the categories are also at the top le
     ├── LoadError (RuntimeError): the load itself failed
     │   ├── ReadError
     │   │   └── ReadTimeoutError
-    │   └── FileChangedError
+    │   ├── FileChangedError
+    │   ├── CudaError: a CUDA call failed, named with its error code
+    │   └── DistributedLoadError: a load across ranks failed, raised on every rank
     ├── IncompleteLoadError (RuntimeError): a unit asked for before it is complete
     ├── DuplicateLandingError (RuntimeError)
     ├── ClosedError (RuntimeError): the SlabSet was closed
     └── BindError (ValueError): a module's parameters do not fit the slabs
+
+Messages say what, where and expected-vs-got; the pieces are kept as attributes so that code
+can inspect them instead of parsing text.
 """
 
-from ._errors import AsyncSlabError as AsyncSlabError
-from ._errors import BindError as BindError
-from ._errors import CaptureError as CaptureError
-from ._errors import CheckpointError as CheckpointError
-from ._errors import ClosedError as ClosedError
-from ._errors import CoverageError as CoverageError
-from ._errors import DtypeMismatchError as DtypeMismatchError
-from ._errors import DuplicateKeyError as DuplicateKeyError
-from ._errors import DuplicateLandingError as DuplicateLandingError
-from ._errors import DuplicateTensorError as DuplicateTensorError
-from ._errors import FileChangedError as FileChangedError
-from ._errors import FileTooShortError as FileTooShortError
-from ._errors import HeaderBoundsError as HeaderBoundsError
-from ._errors import HeaderEncodingError as HeaderEncodingError
-from ._errors import HeaderError as HeaderError
-from ._errors import HeaderJSONError as HeaderJSONError
-from ._errors import HeaderTooLargeError as HeaderTooLargeError
-from ._errors import IncompleteLoadError as IncompleteLoadError
-from ._errors import IndexFileError as IndexFileError
-from ._errors import IndexMismatchError as IndexMismatchError
-from ._errors import InvalidShapeError as InvalidShapeError
-from ._errors import LoadError as LoadError
-from ._errors import MissingFileError as MissingFileError
-from ._errors import OffsetError as OffsetError
-from ._errors import PartitionError as PartitionError
-from ._errors import PayloadSizeError as PayloadSizeError
-from ._errors import PlanError as PlanError
-from ._errors import ReadError as ReadError
-from ._errors import ReadTimeoutError as ReadTimeoutError
-from ._errors import ShapeMismatchError as ShapeMismatchError
-from ._errors import SizeMismatchError as SizeMismatchError
-from ._errors import TierMapError as TierMapError
-from ._errors import UnknownDtypeError as UnknownDtypeError
-from ._errors import UnmatchedTensorError as UnmatchedTensorError
-from ._errors import UnsafePathError as UnsafePathError
+from __future__ import annotations
+
+import os
+import typing
+
+if typing.TYPE_CHECKING:  # only names of this module's own are public
+    from collections.abc import Mapping
+    from typing import Any
 
 __all__ = [
     "AsyncSlabError",
@@ -95,8 +75,228 @@ __all__ = [
     "ReadError",
     "ReadTimeoutError",
     "FileChangedError",
+    "CudaError",
+    "DistributedLoadError",
     "IncompleteLoadError",
     "DuplicateLandingError",
     "ClosedError",
     "BindError",
 ]
+
+
+class AsyncSlabError(Exception):
+    """Base of every asyncslab error.
+
+    ``file`` and ``tensor`` say where, when known; ``details`` holds the rest (layer, expert,
+    shard, slot, expected, got, ...) for code that wants to inspect rather than read.
+    """
+
+    file: str | None
+    tensor: str | None
+    details: dict[str, Any]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | os.PathLike[str] | None = None,
+        tensor: str | None = None,
+        **details: Any,
+    ) -> None:
+        self.file = os.fspath(file) if file is not None else None
+        self.tensor = tensor
+        self.details = details
+        self.message = message
+        where = []
+        if self.file is not None:
+            where.append(self.file)
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(": ".join([*where, message]))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments do not survive the default pickling, and errors cross
+        # process boundaries (benchmarks, distributed ranks;
+        # test_errors_keep_their_pieces_and_pickle).
+        return (_rebuild, (type(self), self.message, self.file, self.tensor, self.details))
+
+
+def _rebuild(
+    cls: type[AsyncSlabError],
+    message: str,
+    file: str | None,
+    tensor: str | None,
+    details: dict[str, Any],
+) -> AsyncSlabError:
+    return cls(message, file=file, tensor=tensor, **details)
+
+
+# --- reading checkpoints -----------------------------------------------------------------
+
+
+class CheckpointError(AsyncSlabError, ValueError):
+    """The checkpoint on disk is malformed or unsafe; nothing was loaded."""
+
+
+class HeaderError(CheckpointError):
+    """A safetensors header violates the format."""
+
+
+class FileTooShortError(HeaderError):
+    """The file is shorter than the 8-byte header length prefix."""
+
+
+class HeaderTooLargeError(HeaderError):
+    """The declared header length exceeds the 100,000,000-byte limit."""
+
+
+class HeaderBoundsError(HeaderError):
+    """The declared header length runs past the end of the file."""
+
+
+class HeaderEncodingError(HeaderError):
+    """The header bytes are not valid UTF-8."""
+
+
+class HeaderJSONError(HeaderError):
+    """The header is not JSON, not a JSON object, or an entry has the wrong structure."""
+
+
+class DuplicateKeyError(HeaderError):
+    """A JSON object in the header names the same key twice."""
+
+
+class UnknownDtypeError(HeaderError):
+    """A tensor's dtype is not one asyncslab can represent."""
+
+
+class InvalidShapeError(HeaderError):
+    """A tensor's shape has a negative or non-integer dimension."""
+
+
+class SizeMismatchError(HeaderError):
+    """Element count times item size differs from the tensor's byte length (or overflows)."""
+
+
+class OffsetError(HeaderError):
+    """Tensor byte ranges are not sorted and contiguous from 0 (gap, overlap, shared start)."""
+
+
+class PayloadSizeError(HeaderError):
+    """The payload does not end exactly at the end of the file (short, or trailing bytes)."""
+
+
+class IndexFileError(CheckpointError):
+    """``model.safetensors.index.json`` is malformed."""
+
+
+class UnsafePathError(CheckpointError):
+    """An index entry points outside the checkpoint directory (absolute, ``..``, symlink)."""
+
+
+class MissingFileError(CheckpointError):
+    """A file the index references does not exist or is not a regular file."""
+
+
+class IndexMismatchError(CheckpointError):
+    """The index and the files' headers disagree about which tensor lives where."""
+
+
+class DuplicateTensorError(CheckpointError):
+    """The same tensor name appears in two files."""
+
+
+# --- planning ----------------------------------------------------------------------------
+
+
+class PlanError(AsyncSlabError, ValueError):
+    """The checkpoint does not fit the plan's rules; raised before any payload is read."""
+
+
+class PartitionError(PlanError):
+    """An expert partition is not exact: experts missing, duplicated or unknown."""
+
+
+class TierMapError(PlanError):
+    """A declared tier map is malformed or disagrees with the checkpoint's shapes."""
+
+
+class DtypeMismatchError(PlanError):
+    """A tensor's dtype differs from the schema's; asyncslab never casts silently."""
+
+
+class ShapeMismatchError(PlanError):
+    """A tensor's shape differs from its slot's."""
+
+
+class CoverageError(PlanError):
+    """Slots left uncovered, or covered more than once, or a tensor routed twice."""
+
+
+class UnmatchedTensorError(PlanError):
+    """Tensors no rule claims, under the default policy that unmatched tensors are errors."""
+
+
+# --- loading -----------------------------------------------------------------------------
+
+
+class CaptureError(PlanError):
+    """An engine's own weight loader refused the checkpoint while asyncslab recorded where
+    it puts each tensor (no payload read yet); ``tensor`` is the one it was handling."""
+
+
+class LoadError(AsyncSlabError, RuntimeError):
+    """A load broke; the underlying exception is the ``__cause__``. The affected units stay
+    incomplete, staging buffers are released, and a retry can succeed."""
+
+
+class ReadError(LoadError):
+    """Reading a shard file failed (the ``OSError`` is the ``__cause__``)."""
+
+
+class ReadTimeoutError(ReadError):
+    """A read made no progress within the configured timeout."""
+
+
+class FileChangedError(LoadError):
+    """A shard file changed (size or identity) between planning and reading."""
+
+
+class CudaError(LoadError):
+    """A CUDA call failed; ``details["call"]`` names it and ``details["code"]`` is its
+    ``cudaError_t``. Where a read's pages could not be registered it is the ``__cause__`` of
+    the :class:`ReadError` naming the file and range."""
+
+
+class DistributedLoadError(LoadError):
+    """A distributed load failed; raised on every rank alike.
+
+    ``details["ranks"]`` lists the ranks (of the group) that failed, ``details["errors"]``
+    maps each to its error text, ``details["rank"]`` is the rank that raised. On the rank
+    whose own load broke, ``__cause__`` is the original error. When the cause is a lost
+    rank or a timeout, the process group is unusable afterwards.
+    """
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(self.details.get("ranks", ()))
+
+    @property
+    def errors(self) -> Mapping[int, str]:
+        return dict(self.details.get("errors", {}))
+
+
+class IncompleteLoadError(AsyncSlabError, RuntimeError):
+    """A slab or unit was asked for before every one of its slots landed."""
+
+
+class DuplicateLandingError(AsyncSlabError, RuntimeError):
+    """A slot was written twice in one load; the plan or the pipeline is broken."""
+
+
+class ClosedError(AsyncSlabError, RuntimeError):
+    """The object was closed by its owner; distinct from a broken load (:class:`LoadError`)."""
+
+
+class BindError(AsyncSlabError, ValueError):
+    """Binding module parameters to slab views failed: unbound or mismatched parameters."""

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from asyncslab._errors import (
+from asyncslab.errors import (
     AsyncSlabError,
     DuplicateKeyError,
     FileTooShortError,

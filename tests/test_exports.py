@@ -5,12 +5,17 @@ from __future__ import annotations
 import importlib
 import json
 import pickle
+import re
+import traceback
 import types
+from pathlib import Path
 
 import pytest
 
 import asyncslab
-from asyncslab import _errors
+import asyncslab.errors
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_all_names_exist_and_nothing_public_is_missing() -> None:
@@ -39,13 +44,12 @@ def test_each_public_submodule_has_exactly_its_all(module: str) -> None:
     )
 
 
-@pytest.mark.parametrize("name", _errors.__all__)
+@pytest.mark.parametrize("name", asyncslab.errors.__all__)
 def test_every_error_has_the_base_and_a_builtin(name: str) -> None:
-    cls = getattr(_errors, name)
+    cls = getattr(asyncslab.errors, name)
     assert issubclass(cls, asyncslab.AsyncSlabError)
     if cls is not asyncslab.AsyncSlabError:
         assert issubclass(cls, (ValueError, RuntimeError))
-    assert getattr(asyncslab.errors, name) is cls
     # The base and the categories right under it are at the top level too.
     direct = cls.__mro__[1] is asyncslab.AsyncSlabError or cls is asyncslab.AsyncSlabError
     assert (getattr(asyncslab, name, None) is cls) == direct
@@ -93,6 +97,116 @@ def test_errors_keep_their_pieces_and_pickle() -> None:
     assert isinstance(err, ValueError)
 
 
+def test_errors_read_as_asyncslab_errors_in_reprs_and_tracebacks() -> None:
+    err = asyncslab.errors.CudaError(
+        "cudaHostRegister(read-only) failed: operation not supported (CUDA error 801)",
+        call="cudaHostRegister(read-only)",
+        code=801,
+    )
+    assert repr(type(err)) == "<class 'asyncslab.errors.CudaError'>"
+    assert traceback.format_exception_only(err)[-1].startswith(
+        "asyncslab.errors.CudaError: cudaHostRegister(read-only) failed"
+    )
+    try:
+        raise asyncslab.PlanError("no rule claims it", tensor="lm_head.weight")
+    except asyncslab.PlanError:
+        text = traceback.format_exc()
+    assert text.rstrip().endswith(
+        "asyncslab.errors.PlanError: tensor 'lm_head.weight': no rule claims it"
+    )
+    assert isinstance(err, asyncslab.LoadError) and isinstance(err, RuntimeError)
+    clone = pickle.loads(pickle.dumps(err))
+    assert type(clone) is asyncslab.errors.CudaError
+    assert clone.details == {"call": "cudaHostRegister(read-only)", "code": 801}
+
+
+def _all_errors() -> set[type[asyncslab.AsyncSlabError]]:
+    found: set[type[asyncslab.AsyncSlabError]] = set()
+    todo: list[type[asyncslab.AsyncSlabError]] = [asyncslab.AsyncSlabError]
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("asyncslab"):
+            found.add(cls)
+            todo += cls.__subclasses__()
+    return found
+
+
+def test_every_error_is_defined_in_asyncslab_errors() -> None:
+    """One module defines the whole tree; the others (``asyncslab``, ``asyncslab.distributed``)
+    re-export from it."""
+    assert {cls.__name__ for cls in _all_errors()} == set(asyncslab.errors.__all__)
+    for cls in _all_errors():
+        assert cls.__module__ == "asyncslab.errors", cls
+
+
+def _drawn_tree() -> str:
+    """The tree drawn in ``asyncslab.errors``' docstring, unindented."""
+    doc = asyncslab.errors.__doc__ or ""
+    lines = doc.splitlines()
+    start = lines.index("    AsyncSlabError")
+    end = start + 1
+    while end < len(lines) and lines[end].startswith("    ") and lines[end].strip():
+        end += 1
+    return "\n".join(line[4:] for line in lines[start:end]) + "\n"
+
+
+def _parse_tree(tree: str) -> dict[str, tuple[str | None, str | None]]:
+    """``{name: (parent, builtin)}``: a name's parent is the last single name drawn one
+    level up; ``(ValueError)`` after a name is a builtin it also derives from."""
+    drawn: dict[str, tuple[str | None, str | None]] = {}
+    last_at: dict[int, str] = {}
+    for line in tree.splitlines():
+        column = re.search(r"[A-Za-z]", line)
+        assert column is not None, line
+        depth = column.start() // 4
+        text = line[column.start() :].split(":")[0]
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        for entry in names:
+            m = re.fullmatch(r"(\w+)(?: \((\w+)\))?", entry)
+            assert m is not None, line
+            parent = last_at.get(depth - 1) if depth else None
+            drawn[m[1]] = (parent, m[2])
+        if len(names) == 1:
+            last_at[depth] = names[0].split(" ")[0]
+    return drawn
+
+
+def test_the_drawn_error_tree_is_the_classes() -> None:
+    drawn = _parse_tree(_drawn_tree())
+    assert set(drawn) == set(asyncslab.errors.__all__)
+    for name, (parent, builtin) in drawn.items():
+        cls = getattr(asyncslab.errors, name)
+        base = cls.__mro__[1]
+        assert parent == (None if cls is asyncslab.AsyncSlabError else base.__name__), name
+        if builtin is not None:
+            assert builtin in {b.__name__ for b in cls.__bases__}, name
+        elif cls is not asyncslab.AsyncSlabError and base is asyncslab.AsyncSlabError:
+            pytest.fail(f"{name}: the tree names no builtin for a direct subclass of the base")
+
+
+def test_docs_errors_md_shows_the_tree_asyncslab_errors_draws() -> None:
+    """The tree is written once, in ``asyncslab/errors.py``; ``docs/errors.md`` carries a
+    copy for readers of the docs. When this fails, paste the tree printed below."""
+    text = (ROOT / "docs" / "errors.md").read_text()
+    m = re.search(r"```text\n(AsyncSlabError\n.*?)```", text, re.S)
+    assert m is not None, "docs/errors.md has no ```text block drawing the tree"
+    assert m[1] == _drawn_tree(), "docs/errors.md is stale; its tree should read:\n" + _drawn_tree()
+
+
+def test_docs_name_each_errors_base_as_the_classes_do() -> None:
+    """Tables that say an error's base (``ReadTimeoutError`` (``ReadError``)) say it rightly."""
+    pairs = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for m in re.finditer(r"`(\w+Error)` \(`(\w+Error)`\)", path.read_text()):
+            pairs.append((path.name, m[1], m[2]))
+    wrong = [
+        (doc, name, base)
+        for doc, name, base in pairs
+        if getattr(asyncslab.errors, name).__mro__[1] is not getattr(asyncslab.errors, base)
+    ]
+    assert wrong == []
+
+
 def test_the_modules_import_each_other_without_a_cycle() -> None:
     """Every ``from .module import`` of the package, lazy ones (inside functions) included:
     the stages form a graph without a cycle, so each reads without the ones after it."""
@@ -129,7 +243,7 @@ def test_the_modules_import_each_other_without_a_cycle() -> None:
         visit(module, [])
     # The plan vocabulary is the leaf every stage shares.
     assert "planning._vocabulary" in graph
-    assert graph["planning._vocabulary"] <= {"_errors", "checkpoint._format"}
+    assert graph["planning._vocabulary"] <= {"errors", "checkpoint._format"}
 
 
 def test_no_module_reaches_into_another_modules_privates() -> None:

@@ -34,7 +34,7 @@ from typing import Any, NoReturn, TextIO, TypeVar
 import torch
 
 from ..testing import _verify
-from .._errors import AsyncSlabError, PlanError
+from ..errors import AsyncSlabError, PlanError
 from ..checkpoint._format import INDEX_SUFFIX, Checkpoint
 from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
 from ..planning._plan import Plan, plan
@@ -196,46 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "path", type=Path, help="a .safetensors file, an index or a checkpoint directory"
     )
     load_p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda[:N]")
-    defaults = LoadOptions()
-    load_p.add_argument(
-        "--streams",
-        type=_positive_int,
-        default=defaults.streams,
-        metavar="N",
-        help=f"CUDA copy streams (default {defaults.streams})",
-    )
-    load_p.add_argument(
-        "--transfer",
-        choices=("auto", "direct", "staged", "mapped"),
-        default=defaults.transfer,
-        help="how bytes reach the slabs: direct reads (cpu), staged through pinned buffers, "
-        "or mapped (copied straight out of the page cache; cuda, Linux); auto: direct on "
-        "cpu, staged on cuda (default)",
-    )
-    load_p.add_argument(
-        "--staging-mb",
-        type=_mib_arg,
-        default=defaults.staging_bytes,
-        metavar="MB",
-        help=f"staging budget in MiB of the staged transfer, on cpu as on cuda (pinned "
-        f"there); mapped reads are cut at 1/{defaults.staging_buffers} of it (default "
-        f"{defaults.staging_bytes >> 20})",
-    )
-    load_p.add_argument(
-        "--io-workers",
-        type=_positive_int,
-        default=defaults.io_workers,
-        metavar="N",
-        help=f"reads in flight of the direct transfer (default {defaults.io_workers})",
-    )
-    load_p.add_argument(
-        "--read-mb",
-        type=_mib_arg,
-        default=defaults.read_size,
-        metavar="MB",
-        help=f"target size of one read in MiB, direct transfer (default "
-        f"{defaults.read_size >> 20})",
-    )
+    _add_load_options(load_p)
     _add_plan_arguments(load_p)
     load_p.add_argument(
         "--verify",
@@ -254,6 +215,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench(sub, common)
     return parser
+
+
+def _add_load_options(p: argparse.ArgumentParser) -> None:
+    """The :class:`LoadOptions` a load takes from the command line, with their defaults."""
+    defaults = LoadOptions()
+    p.add_argument(
+        "--streams",
+        type=_positive_int,
+        default=defaults.streams,
+        metavar="N",
+        help=f"CUDA copy streams (default {defaults.streams})",
+    )
+    p.add_argument(
+        "--transfer",
+        choices=("auto", "direct", "staged", "mapped"),
+        default=defaults.transfer,
+        help="how bytes reach the slabs: direct reads (cpu), staged through pinned buffers, "
+        "or mapped (copied straight out of the page cache; cuda, Linux); auto: direct on "
+        "cpu, staged on cuda (default)",
+    )
+    p.add_argument(
+        "--staging-mb",
+        type=_mib_arg,
+        default=defaults.staging_bytes,
+        metavar="MB",
+        help=f"staging budget in MiB of the staged transfer, on cpu as on cuda (pinned "
+        f"there); mapped reads are cut at 1/{defaults.staging_buffers} of it (default "
+        f"{defaults.staging_bytes >> 20})",
+    )
+    p.add_argument(
+        "--io-workers",
+        type=_positive_int,
+        default=defaults.io_workers,
+        metavar="N",
+        help=f"reads in flight of the direct transfer (default {defaults.io_workers})",
+    )
+    p.add_argument(
+        "--read-mb",
+        type=_mib_arg,
+        default=defaults.read_size,
+        metavar="MB",
+        help=f"target size of one read in MiB, direct transfer (default "
+        f"{defaults.read_size >> 20})",
+    )
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:

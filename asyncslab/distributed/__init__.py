@@ -2,10 +2,10 @@
 rank-aware plans, optional read-once-and-share, and one coordinated readiness.
 See ``docs/distributed.md``."""
 
+from ..errors import DistributedLoadError as DistributedLoadError
 from ._session import DEFAULT_ROWS as DEFAULT_ROWS
 from ._session import MODES as MODES
 from ._session import DistributedLoad as DistributedLoad
-from ._session import DistributedLoadError as DistributedLoadError
 from ._session import Mode as Mode
 from ._session import RankReport as RankReport
 from ._session import RoundRobinExperts as RoundRobinExperts

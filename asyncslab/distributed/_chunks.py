@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._errors import LoadError
+from ..errors import LoadError
 from ..planning._plan import Plan
 from ..loading._read import pread_scatter, scatter
 from ..loading._sink import Sink

@@ -47,7 +47,14 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .._errors import AsyncSlabError, IncompleteLoadError, LoadError, PlanError, first_line
+from .._failures import first_line
+from ..errors import (
+    AsyncSlabError,
+    DistributedLoadError,
+    IncompleteLoadError,
+    LoadError,
+    PlanError,
+)
 from ..checkpoint._format import Checkpoint, TensorInfo
 from ..loading._load import Load, open_checked
 from ..loading._slabs import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
@@ -71,7 +78,6 @@ __all__ = [
     "DEFAULT_ROWS",
     "MODES",
     "DistributedLoad",
-    "DistributedLoadError",
     "Mode",
     "RankReport",
     "RoundRobinExperts",
@@ -84,24 +90,6 @@ MODES: tuple[str, ...] = ("replicated", "pre-sliced", "rows", "experts", "rows+e
 
 #: Tensors ``rows`` mode slices by rows: the linear projections and the embeddings.
 DEFAULT_ROWS = r".*(?:_proj|embed_tokens|lm_head)\.weight"
-
-
-class DistributedLoadError(LoadError):
-    """A distributed load failed; raised on every rank alike.
-
-    ``details["ranks"]`` lists the ranks (of the group) that failed, ``details["errors"]``
-    maps each to its error text, ``details["rank"]`` is the rank that raised. On the rank
-    whose own load broke, ``__cause__`` is the original error. When the cause is a lost
-    rank or a timeout, the process group is unusable afterwards.
-    """
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return tuple(self.details.get("ranks", ()))
-
-    @property
-    def errors(self) -> Mapping[int, str]:
-        return dict(self.details.get("errors", {}))
 
 
 # --- plans -------------------------------------------------------------------------------

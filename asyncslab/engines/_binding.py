@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._errors import BindError
+from ..errors import BindError
 
 if TYPE_CHECKING:
     from ..loading._slabs import SlabSet

@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from .._errors import CaptureError
+from ..errors import CaptureError
 
 __all__ = ["Capture", "Fill", "Run", "Write", "capture", "MIN_RUN_BYTES"]
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._errors import (
+from ..errors import (
     AsyncSlabError,
     FileChangedError,
     IncompleteLoadError,

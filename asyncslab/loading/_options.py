@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import LoadError
+from ..errors import LoadError
 
 __all__ = [
     "LoadOptions",

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .._errors import ReadError
+from ..errors import ReadError
 
 __all__ = [
     "IoPool",

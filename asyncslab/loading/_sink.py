@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from .._errors import LoadError, first_line
+from .._failures import first_line
+from ..errors import LoadError
 from ..planning._plan import Plan
 from ._read import Scatter
 from ._schedule import ReadOp, Schedule

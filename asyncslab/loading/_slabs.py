@@ -19,13 +19,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 
 import torch
 
-from .._errors import (
-    ClosedError,
-    IncompleteLoadError,
-    LoadError,
-    PlanError,
-    first_line,
-)
+from .._failures import first_line
+from ..errors import ClosedError, IncompleteLoadError, LoadError, PlanError
 from ..checkpoint._format import Checkpoint
 from ._load import Health, Load, check_files, check_progress, uncancellable
 from ._options import (

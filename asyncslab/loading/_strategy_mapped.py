@@ -35,7 +35,8 @@ from typing import Protocol
 import torch
 
 from ._copy import Copier
-from .._errors import ReadError, first_line
+from .._failures import first_line
+from ..errors import CudaError, ReadError
 from ._options import LoadOptions
 from ._schedule import ReadOp, windows
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
@@ -66,7 +67,8 @@ def page_span(op: ReadOp) -> tuple[int, int]:
 
 class Registry(Protocol):
     """Makes a page-aligned range of a mapping ready for copies out of it, then releases
-    it. ``register`` raises ``OSError`` or ``RuntimeError`` saying why it could not."""
+    it. ``register`` raises ``OSError`` or ``RuntimeError`` (a failed CUDA call's
+    :class:`CudaError` is one) saying why it could not."""
 
     def register(self, address: int, nbytes: int) -> None: ...
 
@@ -108,7 +110,7 @@ class CudaRegistry:
             text = str(self._cudart.cudaGetErrorString(result))
         except Exception:  # noqa: BLE001 - the code alone still says it
             text = "unknown error"
-        raise RuntimeError(f"{call} failed: {text} (CUDA error {code})")
+        raise CudaError(f"{call} failed: {text} (CUDA error {code})", call=call, code=code)
 
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+

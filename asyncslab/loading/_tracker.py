@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .._errors import DuplicateLandingError, IncompleteLoadError, detached
+from .._failures import detached
+from ..errors import DuplicateLandingError, IncompleteLoadError
 from ..planning._plan import Plan
 
 __all__ = ["Tracker", "UnitState"]

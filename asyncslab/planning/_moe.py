@@ -21,7 +21,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
-from .._errors import (
+from ..errors import (
     CoverageError,
     DtypeMismatchError,
     PartitionError,
@@ -528,6 +528,18 @@ class TieredMoE:
                 layer=layer,
                 missing=missing,
             )
+        slabs, routes = self._layer_slabs(layer, prefix, partition, placed)
+        return partition, slabs, routes
+
+    def _layer_slabs(
+        self,
+        layer: int,
+        prefix: str,
+        partition: ExpertPartition,
+        placed: defaultdict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]],
+    ) -> tuple[list[SlabSpec], list[Route]]:
+        """A layer's slabs (one per group, fused projection and suffix) and the routes
+        into them, from where each expert tensor was placed."""
         slabs: list[SlabSpec] = []
         # The routes a column at a time (see frozen_columns): a large MoE checkpoint holds
         # hundreds of thousands of expert tensors, a Route each.
@@ -579,8 +591,7 @@ class TieredMoE:
                     columns["expert"] += [t.expert for _, t in entries]
                     columns["shard"] += [t.proj for _, t in entries]
                     columns["suffix"] += [suffix] * n
-        routes = frozen_columns(Route, len(columns["tensor"]), columns, {})
-        return partition, slabs, routes
+        return slabs, frozen_columns(Route, len(columns["tensor"]), columns, {})
 
 
 def _tier_key(key: Any, what: str) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from .._errors import (
+from ..errors import (
     CoverageError,
     DtypeMismatchError,
     PlanError,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CoverageError, DtypeMismatchError, PlanError
+from ..errors import CoverageError, DtypeMismatchError, PlanError
 from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ._vocabulary import (
     DTYPE,

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .._errors import PlanError
+from ..errors import PlanError
 from ..checkpoint._format import Checkpoint, TensorInfo
 
 # Column getters, shared by the planner and the rules: a plan of 300,000 routes is checked

@@ -37,7 +37,7 @@ import asyncslab.testing
 from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
 from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _chunks as shared
-from asyncslab.distributed._session import DistributedLoadError
+from asyncslab.errors import DistributedLoadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
 from tests.helpers import HANG_S, raw_bytes
 

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -30,6 +31,7 @@ import torch
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
+from asyncslab.errors import CudaError, ReadError
 from asyncslab.loading import _copy
 from asyncslab.loading import _strategy_mapped as _mapped
 from asyncslab.loading._options import resolve_transfer
@@ -471,10 +473,19 @@ def test_cuda_registry_registers_read_only_and_reports_cuda_errors(
     assert fake.calls == [("register", 0x10000, 8192, 9), ("unregister", 0x10000)]
     assert devices == [torch.device("cuda", 1)] * 2
     fake.codes = (801, 712)
-    with pytest.raises(RuntimeError, match=r"cudaHostRegister\(read-only\) failed: operation not"):
+    with pytest.raises(CudaError, match=r"cudaHostRegister\(read-only\) failed: operation") as e:
         registry.register(0x10000, 8192)
-    with pytest.raises(RuntimeError, match=r"cudaHostUnregister failed: .* \(CUDA error 712\)"):
+    assert e.value.details == {"call": "cudaHostRegister(read-only)", "code": 801}
+    with pytest.raises(CudaError, match=r"cudaHostUnregister failed: .* \(CUDA error 712\)") as e:
         registry.unregister(0x10000)
+    assert e.value.details == {"call": "cudaHostUnregister", "code": 712}
+    # What a mapped load raises of it: a ReadError naming the range, the CudaError its cause.
+    fake.codes = (801, 0)
+    mappings: Any = SimpleNamespace(address=lambda file: 0x10000)
+    with pytest.raises(ReadError, match=r"cannot register the \d+ bytes at offset 0") as r:
+        _mapped.transfer(ReadOp(0, 0, 16, ()), mappings, registry, print, "a.safetensors")
+    assert isinstance(r.value.__cause__, CudaError)
+    assert r.value.file == "a.safetensors"
 
 
 @pytest.mark.asyncio
