@@ -12,6 +12,7 @@ checkpoint writer and a verifier: ``asyncslab.testing``. Beside: ``asyncslab.dis
 
 from . import errors as errors
 from . import rules as rules
+from ._public import publish as _publish
 from .checkpoint._format import Checkpoint, ShardFile, TensorInfo
 from .engines._binding import Target, bind_module
 from .errors import (
@@ -60,3 +61,5 @@ __all__ = [
     "load_tier_map",
     "plan",
 ]
+
+_publish(globals())

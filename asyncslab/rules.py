@@ -4,6 +4,7 @@ Claim``, returning the ``SlabSpec``s to allocate and a ``Route`` per tensor it p
 then checks the whole result. The built-in rules are here too. See ``docs/plans.md``.
 """
 
+from ._public import publish as _publish
 from .planning._moe import ExpertPartition as ExpertPartition
 from .planning._moe import TieredMoE as TieredMoE
 from .planning._moe import load_tier_map as load_tier_map
@@ -33,3 +34,5 @@ __all__ = [
     "load_tier_map",
     "make_route",
 ]
+
+_publish(globals())

@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 import asyncslab
+import asyncslab.distributed
 import asyncslab.errors
+import asyncslab.rules
+import asyncslab.testing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,6 +98,70 @@ def test_errors_keep_their_pieces_and_pickle() -> None:
     assert str(clone) == str(err)
     assert clone.details == err.details
     assert isinstance(err, ValueError)
+
+
+# asyncslab.vllm imports vLLM: test_vllm_names_show_asyncslab_vllm checks it apart.
+PUBLIC = [asyncslab, asyncslab.errors, asyncslab.rules, asyncslab.testing, asyncslab.distributed]
+
+
+def _home(module: types.ModuleType, name: str, obj: object) -> str:
+    """Where a public name shows: an error in ``asyncslab.errors`` (which defines it), a name
+    the top level exports at the top level, any other in the public module exporting it."""
+    if isinstance(obj, type) and issubclass(obj, asyncslab.AsyncSlabError):
+        return "asyncslab.errors"
+    if getattr(asyncslab, name, None) is obj:
+        return "asyncslab"
+    return module.__name__
+
+
+@pytest.mark.parametrize("module", PUBLIC, ids=lambda m: m.__name__)
+def test_public_names_show_their_public_module_and_pickle_from_it(
+    module: types.ModuleType,
+) -> None:
+    """As httpx's are: reprs and tracebacks read ``asyncslab.Plan``, not the private module
+    that defines it, and pickle (by ``__module__`` and ``__qualname__``) finds them there."""
+    checked = 0
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if not isinstance(obj, (type, types.FunctionType)):
+            continue  # constants and type aliases carry no module
+        assert obj.__module__ == _home(module, name, obj), name
+        assert pickle.loads(pickle.dumps(obj)) is obj, name
+        checked += 1
+    assert checked
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_names_show_asyncslab_vllm() -> None:
+    """In a process of its own: importing vLLM sets up process-wide state."""
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, types, asyncslab.vllm as m\n"
+        "for n in m.__all__:\n"
+        "    o = getattr(m, n)\n"
+        "    if isinstance(o, (type, types.FunctionType)):\n"
+        "        assert o.__module__ == 'asyncslab.vllm', (n, o.__module__)\n"
+        "        assert pickle.loads(pickle.dumps(o)) is o, n\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=540)
+
+
+def test_public_instances_pickle_across_processes() -> None:
+    """What the ranks of a distributed load send each other (headers) and what a caller
+    may hand another process (plans, options) still unpickles, whatever module it shows."""
+    import torch
+
+    from asyncslab.testing import SyntheticSpec
+
+    for obj in (
+        asyncslab.TensorInfo("w", Path("a.safetensors"), torch.float16, "F16", (2, 3), 88, 12),
+        asyncslab.LoadOptions(),
+        SyntheticSpec(),
+    ):
+        assert pickle.loads(pickle.dumps(obj)) == obj
 
 
 def test_errors_read_as_asyncslab_errors_in_reprs_and_tracebacks() -> None:

@@ -2,6 +2,7 @@
 rank-aware plans, optional read-once-and-share, and one coordinated readiness.
 See ``docs/distributed.md``."""
 
+from .._public import publish as _publish
 from ..errors import DistributedLoadError as DistributedLoadError
 from ._session import DEFAULT_ROWS as DEFAULT_ROWS
 from ._session import MODES as MODES
@@ -23,3 +24,5 @@ __all__ = [
     "load",
     "rank_plan",
 ]
+
+_publish(globals())

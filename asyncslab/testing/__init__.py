@@ -4,6 +4,7 @@ the real ``safetensors`` library (``write_synthetic(dir, SyntheticSpec(...))``, 
 what ``safetensors`` reads, byte for byte. Not imported by ``import asyncslab``.
 """
 
+from .._public import publish as _publish
 from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
 from ._synthetic import SyntheticSpec as SyntheticSpec
 from ._synthetic import spec_for_size as spec_for_size
@@ -19,3 +20,5 @@ __all__ = [
     "verify_slabs",
     "write_synthetic",
 ]
+
+_publish(globals())
