@@ -31,6 +31,9 @@ def pytest_asyncio_loop_factories(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # vLLM in processes of its own takes minutes: not in the fast tier
+        if "vllm" in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
