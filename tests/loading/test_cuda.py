@@ -299,6 +299,9 @@ async def test_cuda_mapped_failing_registration_names_the_file(
         with pytest.raises(asyncslab.errors.ReadError, match="CUDA error") as info:
             await slabs.load(ckpt, options=options)
         assert info.value.file in {str(f.path) for f in ckpt.files}
+        cause = info.value.__cause__
+        assert isinstance(cause, asyncslab.errors.CudaError)
+        assert cause.details["call"] == "cudaHostRegister(read-only)"
         monkeypatch.undo()
         slabs.reset()
         await slabs.load(ckpt, options=options)
