@@ -274,6 +274,27 @@ def test_docs_name_each_errors_base_as_the_classes_do() -> None:
     assert wrong == []
 
 
+def test_no_bare_runtime_error_or_exception_is_raised() -> None:
+    """What breaks is an asyncslab error (a failed CUDA call a ``CudaError`` naming the call);
+    argument errors stay ``TypeError``/``ValueError``, and an ``OSError`` is wrapped where it
+    leaves a load."""
+    import ast
+
+    # A bench worker runs in a process of its own; its parent reports the error in the table.
+    allowed = {"cli/_bench/worker.py"}
+    root = Path(asyncslab.__file__).parent
+    raised = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(exc, ast.Name) and exc.id in ("RuntimeError", "Exception"):
+                    if where not in allowed:
+                        raised.append(f"{where}:{node.lineno}: raise {exc.id}")
+    assert raised == []
+
+
 def test_the_modules_import_each_other_without_a_cycle() -> None:
     """Every ``from .module import`` of the package, lazy ones (inside functions) included:
     the stages form a graph without a cycle, so each reads without the ones after it."""
