@@ -2,9 +2,10 @@
 builtin a caller would naturally catch (``ValueError`` for bad files and plans,
 ``RuntimeError`` for a broken load), and keeps what it names (``file``, ``tensor``,
 ``details``: layer, expert, slot, expected, got) as attributes. The base and the categories
-are also at the top level (``asyncslab.PlanError``); ``asyncslab.distributed`` also exports
-its own. The tree below is the one place it is written (``docs/errors.md`` shows it, and
-``tests/test_exports.py`` checks both against the classes):
+are also at the top level (``asyncslab.PlanError``), and ``asyncslab.distributed`` exports
+``DistributedLoadError`` too. The tree below is the one place it is written
+(``docs/errors.md`` shows a copy, and ``tests/test_exports.py`` checks both against the
+classes):
 
     AsyncSlabError
     ├── CheckpointError (ValueError): a file or index that is not what it says
