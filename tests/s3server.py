@@ -216,6 +216,7 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.requests: list[Request] = []
         self.open_connections = 0
+        self.most_open = 0  # connections open at once, at most
         self._loop = asyncio.new_event_loop()
         self._released = threading.Event()
         self._ready = threading.Event()
@@ -277,6 +278,7 @@ class FaultProxy:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.open_connections += 1
+        self.most_open = max(self.most_open, self.open_connections)
         try:
             await self._one(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):

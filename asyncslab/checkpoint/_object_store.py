@@ -269,6 +269,12 @@ def _head(store: Any, spec: StoreSpec, key: str) -> dict[str, Any]:
 def open_objects(uri: str, storage_options: Mapping[str, object]) -> Found:
     """The checkpoint at ``uri``: a prefix (its ``*.safetensors`` and index), an index, or
     one object."""
+    try:
+        import obstore  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"opening {uri} needs obstore, the object-store client: pip install 'asyncslab[s3]'"
+        ) from err
     scheme, bucket, key = parse_uri(uri)
     if scheme == "azure" or scheme == "abfs":
         scheme = "az"

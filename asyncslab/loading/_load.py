@@ -194,6 +194,8 @@ class Load:
                 self._read_plans[key] = reads
             sched = reads.schedule
             for i, shard in enumerate(plan.files):
+                if shard.source is not None:  # an object: its reads are GETs (_strategy_remote)
+                    continue
                 fds[i] = open_checked(
                     shard.path, shard.size, shard.inode, shard.mtime_ns, shards=len(plan.files)
                 )
@@ -670,6 +672,8 @@ def check_files(plan: Plan) -> None:
     at its first open would have reset the slabs of the model being served. (The open
     checks again: a file may change in between.)"""
     for shard in plan.files:
+        if shard.source is not None:  # an object: each GET is pinned to its ETag instead
+            continue
         try:
             st = os.stat(shard.path)
         except OSError as err:

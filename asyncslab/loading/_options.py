@@ -62,6 +62,11 @@ class LoadOptions:
     then.
     ``max_bytes_per_s``: pace reads to at most this rate (``None``: as fast as possible),
     to leave storage bandwidth to a neighbour — or to watch a small load in slow motion.
+    ``request_size``, ``request_concurrency``, ``request_retries``: a checkpoint in object
+    storage (``s3://``) is read with ranged GETs of at most ``request_size`` bytes,
+    ``request_concurrency`` in flight (so at most their product is held in memory at once),
+    each retried ``request_retries`` times after a transient failure, all within
+    ``read_timeout`` (docs/object-storage.md).
     """
 
     io_workers: int = 4
@@ -75,6 +80,9 @@ class LoadOptions:
     progress_interval: float = 0.1
     transfer: Transfer = "auto"
     max_bytes_per_s: float | None = None
+    request_size: int = 8 << 20
+    request_concurrency: int = 16
+    request_retries: int = 3
 
     def __post_init__(self) -> None:
         # Checked here, not deep in a load: a float count or size would fail there as a bare
@@ -82,17 +90,22 @@ class LoadOptions:
         # (test_load_options_refuse_wrong_values_naming_the_option).
         for name in (
             "io_workers", "read_size", "coalesce_gap", "staging_bytes", "staging_buffers",
-            "streams", "io_nice",
+            "streams", "io_nice", "request_size", "request_concurrency", "request_retries",
         ):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, Integral):
                 raise TypeError(f"LoadOptions.{name} must be an int, got {value!r}")
             object.__setattr__(self, name, int(value))  # a NumPy integer, say, as an int
-        for name in ("io_workers", "read_size", "staging_bytes", "staging_buffers", "streams"):
+        for name in (
+            "io_workers", "read_size", "staging_bytes", "staging_buffers", "streams",
+            "request_size", "request_concurrency",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"LoadOptions.{name} must be positive")
         if self.coalesce_gap < 0:
             raise ValueError("LoadOptions.coalesce_gap must be >= 0")
+        if self.request_retries < 0:
+            raise ValueError("LoadOptions.request_retries must be >= 0")
         for name, optional in (
             ("read_timeout", True), ("progress_interval", False), ("max_bytes_per_s", True)
         ):  # fmt: skip

@@ -35,6 +35,7 @@ from ._read import retrieve
 from ._sink import Reads, Sink
 from ._tracker import Tracker
 from ._strategy import choose
+from ._strategy_remote import reads_objects
 
 __all__ = [
     "LoadOptions",
@@ -497,7 +498,7 @@ class SlabSet:
                 "asyncslab.plan(checkpoint) and pass plan="
             )
         check_files(plan)
-        strategy = None if shared else choose(options, self.device)
+        strategy = None if shared else choose(options, self.device, objects=reads_objects(plan))
         if plan is not self._run_plan:
             self._adopt(plan)
         if self._task is not None and self._task.done():

@@ -11,17 +11,23 @@ from ._strategy_direct import Direct
 from ._strategy_mapped import Mapped
 from ._options import LoadOptions, resolve_transfer
 from ._sink import TransferStrategy
+from ._strategy_remote import Remote
 from ._strategy_staged import Staged
 
 __all__ = ["choose"]
 
 
-def choose(options: LoadOptions, device: torch.device) -> TransferStrategy:
-    """A fresh strategy for one load (it holds that load's buffers or mappings)."""
+def choose(
+    options: LoadOptions, device: torch.device, *, objects: bool = False
+) -> TransferStrategy:
+    """A fresh strategy for one load (it holds that load's buffers or mappings);
+    ``objects``: the shards are in object storage, read by ranged GETs."""
     name = resolve_transfer(options.transfer, device)
-    if name == "direct":
+    if name == "direct" and not objects:
         return Direct(options)
     copier: Copier = CudaCopier(device, options.streams) if device.type == "cuda" else CpuCopier()
+    if objects:
+        return Remote(options, device, copier)
     if name == "staged":
         return Staged(options, device, copier)
     return Mapped(options, device, copier)

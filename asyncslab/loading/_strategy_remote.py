@@ -1,0 +1,197 @@
+"""The object-store transfer: the schedule's reads as ranged GETs (shards opened from
+``s3://``, ``gs://`` or ``az://``; see ``checkpoint/_object_store``).
+
+The same coalesced reads as a local load, cut at ``LoadOptions.request_size``, each fetched
+by one GET pinned to the ETag recorded when the checkpoint was opened (``If-Match``, and the
+ETag of every response checked too). ``request_concurrency`` I/O threads each take the next
+read themselves (``_read.ReadFeed``), fetch it, and write the response once: for host slabs
+straight into the slots of the read (one copy out of the client's buffer), for a CUDA target
+into the thread's own pinned staging buffer, then to the device (``_copy``). So at most
+``request_concurrency`` responses of at most ``request_size`` bytes are held at once, the
+bytes in flight whatever the checkpoint's size. The client waits with the GIL released, as
+``preadv`` does; landing, progress, the ``read_timeout`` watch, cancellation (threads drained
+before the load returns) are the local load's, unchanged.
+
+A response cut short, a dropped connection or a 5xx is retried (``request_retries`` times,
+backoff doubling from 50 ms); each attempt may take ``read_timeout / (request_retries + 1)``
+seconds, so a server that stops answering fails the load within ``read_timeout``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpoint._header import ShardFile
+from ..checkpoint._object_store import client, failure_kind, redacted
+from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
+from ..planning._plan import Plan
+from ._copy import Copier
+from ._options import LoadOptions
+from ._pinned import StagingBuffers, StagingStatistics, staging_budget
+from ._read import byte_view
+from ._schedule import schedule
+from ._sink import Files, ReadOne, Reads, Sink, named_copy
+
+__all__ = ["Remote", "fetch", "reads_objects"]
+
+_BACKOFF_S = 0.05
+_BACKOFF_MAX_S = 1.0
+
+
+def reads_objects(plan: Plan) -> bool:
+    """Whether ``plan``'s shards are objects (all of them; a plan mixing files and objects
+    is refused)."""
+    remote = [f.source is not None for f in plan.files]
+    if any(remote) and not all(remote):
+        raise LoadError("a plan mixing local files and objects cannot be loaded")
+    return bool(remote) and all(remote)
+
+
+class Remote:
+    """Ranged GETs on ``request_concurrency`` I/O threads (see the module's docstring)."""
+
+    name = "remote"
+
+    def __init__(self, options: LoadOptions, device: torch.device, copier: Copier) -> None:
+        self.workers = options.request_concurrency
+        self._staged = device.type == "cuda" or options.transfer in ("staged", "mapped")
+        self._pin = device.type == "cuda"
+        self.read_size = options.request_size
+        self.staging_budget = 0
+        if self._staged:
+            # One staging buffer per thread, as large as a request (or the budget's share).
+            budget = min(options.staging_bytes, self.workers * options.request_size)
+            self.staging_budget = staging_budget(max(budget, self.workers), self.workers, self._pin)
+            self.read_size = self.staging_budget // self.workers
+        self._attempts = options.request_retries + 1
+        timeout = options.read_timeout
+        self._timeout = None if timeout is None else timeout / self._attempts
+        self._copier = copier
+        self._staging: StagingBuffers | None = None
+
+    def plan(self, sink: Sink, gap: int) -> Reads:
+        return Reads(schedule(sink.plan, max_read=self.read_size, gap=gap))
+
+    def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
+        shards = sink.plan.files
+        stores = [_store_of(shard, self._timeout) for shard in shards]
+        ops, paths, attempts = reads.schedule.ops, files.paths, self._attempts
+        copy = named_copy(self._copier.copy, sink, paths)
+        staging = None
+        if self._staged:
+            pin = self._pin
+            staging = self._staging = StagingBuffers(
+                self.staging_budget,
+                self.workers,
+                lambda size: torch.empty(size, dtype=torch.uint8, pin_memory=pin),
+            )
+
+        def read_one(worker: int, index: int) -> int:
+            op = ops[index]
+            data = fetch(stores[op.file], shards[op.file], op.offset, op.nbytes, attempts)
+            # A view of the client's buffer (kept alive by ``data`` until the copy returned).
+            address = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
+            response = torch.frombuffer(byte_view(address, op.nbytes), dtype=torch.uint8)
+            if staging is None:
+                copy(op, response, worker)  # each byte written once, into its slot
+            else:
+                with staging.use(worker) as buffer:
+                    buffer[: op.nbytes].copy_(response)
+                    copy(op, buffer, worker)  # returns once the buffer may be reused
+            del data, response
+            return op.nbytes
+
+        return read_one
+
+    def staging(self) -> StagingStatistics | None:
+        return None if self._staging is None else self._staging.statistics()
+
+    def close(self) -> None:
+        if self._staging is not None:
+            self._staging.close()
+
+
+def _store_of(shard: ShardFile, timeout: float | None) -> Any:
+    if shard.source is None:
+        raise LoadError("not an object", file=shard.path)
+    return client(shard.source.store, timeout)
+
+
+def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int) -> Any:
+    """Bytes ``[offset, offset + nbytes)`` of the object ``shard``, in one ranged GET pinned
+    to its ETag, retried ``attempts - 1`` times after a transient failure. Returns the
+    client's buffer (it supports the buffer protocol)."""
+    import obstore
+
+    location = shard.source
+    assert location is not None
+    options: dict[str, Any] = {"range": (offset, offset + nbytes)}
+    if location.etag is not None:
+        options["if_match"] = location.etag
+    span = f"bytes {offset}-{offset + nbytes - 1}"
+    last: Exception | None = None
+    kind = "transient"
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(min(_BACKOFF_S * 2 ** (attempt - 1), _BACKOFF_MAX_S))
+        try:
+            result = obstore.get(store, location.key, options=options)
+            got = result.meta.get("e_tag")
+            if location.etag is not None and got is not None and got != location.etag:
+                raise _changed(shard, got)
+            data = result.bytes()
+        except FileChangedError:
+            raise
+        except Exception as err:
+            kind = failure_kind(err)
+            if kind == "changed" or kind == "missing":
+                raise _changed(shard, _current_etag(store, location.key)) from None
+            if kind == "denied":
+                raise ReadError(
+                    f"GET of {span} refused: access denied ({redacted(str(err), location.store)})",
+                    file=shard.path,
+                    offset=offset,
+                ) from None
+            last = err
+            continue
+        if len(data) == nbytes:
+            return data
+        kind, last = "transient", ValueError(f"the response held {len(data)} of {nbytes} bytes")
+    error = ReadTimeoutError if kind == "timeout" else ReadError
+    why = redacted(str(last), location.store)
+    raise error(
+        f"GET of {span} failed after {attempts} attempts: {why}",
+        file=shard.path,
+        offset=offset,
+        nbytes=nbytes,
+    )
+
+
+def _current_etag(store: Any, key: str) -> str | None:
+    import obstore
+
+    try:
+        etag = obstore.head(store, key).get("e_tag")
+    except Exception:  # gone, or unreachable: the error says "absent"
+        return None
+    return None if etag is None else str(etag)
+
+
+def _changed(shard: ShardFile, got: str | None) -> FileChangedError:
+    location = shard.source
+    assert location is not None
+    now = "is gone" if got is None else f"now has ETag {got}"
+    return FileChangedError(
+        f"object changed since the checkpoint was opened (bucket {location.store.bucket!r}, "
+        f"key {location.key!r}: ETag {location.etag} expected, it {now}); open and plan it "
+        "again",
+        file=shard.path,
+        bucket=location.store.bucket,
+        key=location.key,
+        expected=location.etag,
+        got=got,
+    )

@@ -1,0 +1,193 @@
+"""Loads from object storage against a real S3 server (SeaweedFS), faults through the proxy
+of ``tests/s3server.py``: bit-exact slabs, the bytes in flight bounded, progress, readiness,
+reload in place, and every fault a clear error with nothing left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import obstore
+import pytest
+import torch
+from safetensors.torch import save
+
+import asyncslab
+from asyncslab import Checkpoint, LoadOptions, SlabSet, load
+from asyncslab.errors import FileChangedError, ReadError, ReadTimeoutError
+from asyncslab.testing import SyntheticCheckpoint
+from tests.helpers import assert_units_all_or_nothing, io_threads, until, wait_io_threads_gone
+from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
+
+pytestmark = pytest.mark.asyncio
+
+SMALL = LoadOptions(request_size=4096, request_concurrency=4, coalesce_gap=0)
+
+
+def _payload(request: Request) -> bool:
+    """A GET of payload bytes (headers lie in the first KiB of these small shards)."""
+    return request.method == "GET" and request.range is not None and request.range[0] > 4096
+
+
+def _open(server: SeaweedServer, uri: str, endpoint: str | None = None) -> Checkpoint:
+    return Checkpoint.open(uri, storage_options=server.options(endpoint))
+
+
+def _bit_exact(slabs: SlabSet, local: SyntheticCheckpoint) -> None:
+    complete, incomplete = assert_units_all_or_nothing(slabs, Checkpoint.open(local.root))
+    assert (complete, incomplete) == (len(slabs.plan.units), 0)
+
+
+async def test_a_load_from_s3_lands_bit_exact_direct_and_staged(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    ckpt = _open(s3_server, s3_small)
+    p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+    for transfer in ("auto", "staged"):
+        options = LoadOptions(request_size=8192, request_concurrency=3, transfer=transfer)
+        async with await load(ckpt, p, options=options) as slabs:
+            _bit_exact(slabs, small_checkpoint)
+            stats = slabs.statistics()
+            assert stats.transfer == "remote"
+            assert stats.bytes_landed == stats.bytes_needed == p.nbytes
+            assert (stats.staging_budget > 0) == (transfer == "staged")
+    assert await wait_io_threads_gone() == []
+
+
+async def test_requests_are_bounded_by_size_and_concurrency_and_pinned_to_the_etag(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        async with await load(ckpt, p, options=SMALL) as slabs:
+            _bit_exact(slabs, small_checkpoint)
+        gets = proxy.matching(_payload)
+        etags = {f"/models/small/{f.path.name}": f.source.etag for f in ckpt.files}
+        assert gets
+        for request in gets:
+            assert request.range is not None
+            first, last = request.range
+            assert last - first + 1 <= SMALL.request_size
+            assert request.headers["if-match"] == etags[request.path]
+        assert proxy.most_open <= SMALL.request_concurrency + 1  # + the open's own
+
+
+async def test_progress_readiness_and_reload_in_place(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    ckpt = _open(s3_server, s3_small)
+    p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+    seen: list[asyncslab.LoadStatistics] = []
+    ready: list[str] = []
+
+    async def on_unit_ready(unit: str, slabs: SlabSet) -> None:
+        ready.append(unit)
+
+    async with SlabSet(p) as slabs:
+        slabs.start(ckpt, options=SMALL, on_unit_ready=on_unit_ready, progress=seen.append)
+        for unit in p.units:
+            await slabs.ready(unit)
+        await slabs.ready()
+        pointers = {name: slabs.slab(name).data_ptr() for name in p.slabs}
+        assert sorted(ready) == sorted(p.units)
+        assert seen[-1].state == "complete" and seen[-1].bytes_landed == p.nbytes
+        # Again, in place: the same memory, the same bytes.
+        await slabs.load(ckpt, options=SMALL)
+        assert {name: slabs.slab(name).data_ptr() for name in p.slabs} == pointers
+        _bit_exact(slabs, small_checkpoint)
+
+
+async def test_an_object_replaced_after_planning_is_refused_naming_it(
+    s3_server: SeaweedServer, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    store = s3_server.store()
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}
+    obstore.put(store, "replaced/m.safetensors", save(tensors))
+    ckpt = _open(s3_server, "s3://models/replaced")
+    p = asyncslab.plan(ckpt)
+    etag = ckpt.files[0].source.etag
+    tensors["w0"] = tensors["w0"] + 1
+    obstore.put(store, "replaced/m.safetensors", save(tensors))
+    async with SlabSet(p) as slabs:
+        with pytest.raises(FileChangedError, match="s3://models/replaced/m.safetensors") as err:
+            await slabs.load(ckpt, options=SMALL)
+        details = err.value.details
+        assert (details["bucket"], details["key"], details["expected"]) == (
+            "models",
+            "replaced/m.safetensors",
+            etag,
+        )
+        assert details["got"] not in (None, etag)
+        assert slabs.state == "failed"
+    assert await wait_io_threads_gone() == []
+
+
+async def test_a_body_cut_mid_way_is_retried_and_lands_bit_exact(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        cut = proxy.add(Fault("cut", _payload, after=100, times=3))
+        async with await load(ckpt, p, options=SMALL) as slabs:
+            _bit_exact(slabs, small_checkpoint)
+        assert cut.hits == 3
+
+
+async def test_a_body_cut_every_time_fails_naming_object_and_range(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        proxy.add(Fault("cut", _payload, after=10, times=-1))
+        options = LoadOptions(request_size=4096, request_concurrency=2, request_retries=2)
+        async with SlabSet(p) as slabs:
+            with pytest.raises(ReadError, match=r"s3://models/small/.*GET of bytes \d+-\d+ "):
+                await slabs.load(ckpt, options=options)
+            assert slabs.state == "failed"
+            assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
+    assert await wait_io_threads_gone() == []
+
+
+async def test_a_server_that_stops_answering_fails_the_load_within_read_timeout(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        proxy.add(Fault("stall", _payload, after=10, times=-1))
+        options = LoadOptions(request_size=4096, request_concurrency=2, read_timeout=1.0)
+        async with SlabSet(p) as slabs:
+            with pytest.raises(ReadTimeoutError, match=r"s3://models/small/"):
+                await slabs.load(ckpt, options=options)
+            assert slabs.state == "failed"
+            assert "cannot be reused" not in str(slabs.statistics().error)
+        assert await wait_io_threads_gone() == []
+        await until(lambda: proxy.open_connections == 0)
+
+
+async def test_cancelling_a_load_mid_way_leaves_no_thread_or_connection(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        stalled = threading.Event()
+        proxy.add(Fault("before", _payload, hook=lambda r: stalled.set()))
+        proxy.add(Fault("stall", _payload, after=10, times=-1))
+        async with SlabSet(p) as slabs:
+            task = asyncio.create_task(slabs.load(ckpt, options=SMALL))
+            await asyncio.to_thread(stalled.wait)
+            await until(lambda: len(proxy.matching(_payload)) >= 2)  # one is stalled
+            task.cancel()
+            proxy.release()  # the stalled response ends: its thread returns
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert slabs.state == "cancelled"
+            assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
+        assert await wait_io_threads_gone() == []
+        await until(lambda: proxy.open_connections == 0)
+        assert io_threads() == []
