@@ -140,6 +140,7 @@ def minilm_reference(minilm_dir: Path) -> SimpleNamespace:
     return SimpleNamespace(batch=batch, embeddings=embeddings, config=config)
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_minilm_bound_bert_embeds_like_from_pretrained(
     minilm_dir: Path, minilm_reference: SimpleNamespace
@@ -457,6 +458,7 @@ def installed(module: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "lines"),
     [
@@ -483,6 +485,7 @@ def test_example_runs(
         assert re.search(line, done.stdout, re.MULTILINE), done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(EXAMPLE_TIMEOUT)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_example_without_its_package_says_why_and_exits_0(

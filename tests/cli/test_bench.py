@@ -138,7 +138,7 @@ def test_contender_runs_in_a_fresh_process(tmp_path: Path) -> None:
     out = tmp_path / "one.json"
     args = bench_args(
         *"--size 2MiB --runs 1 --mode warm-fresh --contenders asyncslab --verify 2".split(),
-        *("--dir", str(tmp_path), "--json", str(out)),
+        *("--settle", "0", "--dir", str(tmp_path), "--json", str(out)),
     )
     assert _bench.run(args) == 0
     (rec,) = json.loads(out.read_text())["records"]
@@ -671,6 +671,7 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
     assert share is None or 0.0 <= share <= 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_leak_soak_runs(tmp_path: Path) -> None:
     # It called a test helper whose signature had changed, and crashed on its first cycle

@@ -938,6 +938,7 @@ def test_two_ranks_every_mode_then_coordinated_failures(tmp_path: Path, checkpoi
         assert f["after"]["mismatched"] == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_three_ranks_every_mode(tmp_path: Path, checkpoints3: Path) -> None:
     _check_modes(_spawn(tmp_path, 3, "modes", checkpoints3, wait=100), 3)
@@ -946,6 +947,7 @@ def test_three_ranks_every_mode(tmp_path: Path, checkpoints3: Path) -> None:
 # --- tests: lost ranks ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("share", [False, True], ids=["own-reads", "shared-reads"])
 def test_killed_rank_fails_the_others_quickly(
@@ -963,6 +965,7 @@ def test_killed_rank_fails_the_others_quickly(
     assert "Timed out" not in got["message"], got  # the death, not the group's timeout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_hung_rank_fails_the_others_at_the_group_timeout_or_the_deadline(
     tmp_path: Path, checkpoints3: Path
@@ -1207,6 +1210,7 @@ def test_chunk_bytes_that_is_not_a_positive_int_fails_every_rank_before_loading(
         assert got["after"] == {"type": None}, (rank, got["after"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_copy_failing_on_one_rank_fails_every_rank_in_step(
     tmp_path: Path, checkpoints2: Path
@@ -1221,6 +1225,7 @@ def test_a_copy_failing_on_one_rank_fails_every_rank_in_step(
         assert got["cause"] == ("RuntimeError" if rank == 1 else None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(45)  # < NEVER_PG_TIMEOUT: no rank may wait for the group's timeout
 @pytest.mark.parametrize(
     "scenario",
@@ -1269,6 +1274,7 @@ def test_shared_and_own_loads_into_cuda_slabs_are_bit_identical(
     assert results[0]["share=True"]["digest"] == results[0]["share=False"]["digest"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(45)  # < NEVER_PG_TIMEOUT: no rank may wait for the group's timeout
 def test_a_rank_failing_to_set_up_its_load_fails_every_rank_in_step(
     tmp_path: Path, checkpoints2: Path
@@ -1313,6 +1319,7 @@ def test_a_rank_failing_to_set_up_its_load_fails_every_rank_in_step(
         assert out["fds_leaked"] == 0, (rank, out)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_into_slabs_of_a_failed_shared_load_are_freed_when_dropped(
     tmp_path: Path, checkpoints2: Path
@@ -1377,6 +1384,7 @@ async def _disagree(rank: int, world: int, root: Path, result: dict[str, Any]) -
 SCENARIOS["disagree"] = _disagree
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_ranks_that_disagree_before_loading_all_fail_naming_the_odd_rank(
     tmp_path: Path, checkpoints2: Path

@@ -307,6 +307,7 @@ def test_health_during_load_then_forward_matches_old_way(
         assert "load complete" in server.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sig", "loop"), [(signal.SIGINT, "uvloop"), (signal.SIGTERM, "asyncio")])
 def test_signal_during_load_cancels_cleanly(
     checkpoint: SyntheticCheckpoint, tmp_path: Path, sig: signal.Signals, loop: str
@@ -328,6 +329,7 @@ def test_signal_during_load_cancels_cleanly(
     print(f"{sig.name} during the load: exited 0 after {took:.2f} s")
 
 
+@pytest.mark.slow
 def test_sigterm_while_generating_the_checkpoint_removes_it(tmp_path: Path) -> None:
     # uvicorn's handlers come later: SIGTERM killed the process and left the checkpoint.
     cmd = [sys.executable, str(EXAMPLES / "server.py"), "--size", "256MiB", "--port", "1"]
@@ -386,6 +388,7 @@ def empty_dir(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "phrase"),
     [(empty_dir, "MissingFileError"), (malformed_file, "model.safetensors")],
@@ -399,6 +402,7 @@ def test_a_checkpoint_that_cannot_be_planned_exits_2_before_serving(
     assert_refused(done, phrase, str(bad))
 
 
+@pytest.mark.slow
 def test_a_layer_that_is_not_an_moe_layer_exits_2(
     checkpoint: SyntheticCheckpoint, tmp_path: Path
 ) -> None:
@@ -406,6 +410,7 @@ def test_a_layer_that_is_not_an_moe_layer_exits_2(
     assert_refused(run_script(args, tmp_path), "--layer 0 is not an MoE layer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("device", "phrase"),
     [
@@ -427,6 +432,7 @@ def test_a_device_that_is_not_there_exits_2_before_generating(
     assert list(tmp_path.iterdir()) == [], "a checkpoint was generated"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", ["uvicorn", "starlette"])
 def test_without_its_packages_the_script_says_why_and_exits_0(tmp_path: Path, package: str) -> None:
     # It ended in a ModuleNotFoundError traceback (exit 1), unlike the other examples.
@@ -445,6 +451,7 @@ def test_without_its_packages_the_script_says_why_and_exits_0(tmp_path: Path, pa
     assert list(tmp_path.iterdir()) == [shadow], "a checkpoint was generated"
 
 
+@pytest.mark.slow
 def test_slabs_that_cannot_be_allocated_report_500_with_every_key(tmp_path: Path) -> None:
     """A failure at startup, after planning (here: a slab torch cannot make; on a GPU, out
     of memory), is served as a failed load: /health 500 with every key."""
@@ -473,6 +480,7 @@ def test_slabs_that_cannot_be_allocated_report_500_with_every_key(tmp_path: Path
     assert "Traceback" not in server.stdout + server.stderr, server.describe()
 
 
+@pytest.mark.slow
 def test_failed_load_reports_500(tmp_path: Path) -> None:
     written = write_synthetic(tmp_path / "ckpt", spec_for_size(SIZE))
     last = written.files[-1]

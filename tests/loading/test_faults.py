@@ -571,6 +571,7 @@ async def test_aclose_while_awaited_load_runs(
 
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", PATHS)
