@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LoadError
-from ..planning._plan import Plan
 from ..loading._read import pread_scatter, scatter
 from ..loading._sink import Sink
+from ..planning._plan import Plan
 
 __all__ = [
     "POLL_S",

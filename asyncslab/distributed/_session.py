@@ -23,10 +23,12 @@ fail after the process group's timeout (``init_process_group(timeout=...)``). Ei
 :func:`load` raises :class:`DistributedLoadError`, and the process group must not be used
 again (destroy it, or exit).
 
-A shared load is a :class:`~asyncslab.loading._load.Load` begun by ``_loader.begin_shared``: the
-chunks' bytes land through its sink, and it finishes like a local load, so the slabs fill,
-gate and report alike. The chunk list, this rank's chunk reader and the landing index live
-in ``_shared``.
+A shared load is a :class:`~asyncslab.loading._load.Load` begun by
+``loading._slabs.begin_shared``: the chunks' bytes land through its sink, and it finishes
+like a local load, so the slabs fill, gate and report alike. The chunk list, this rank's
+chunk reader and the landing index live in ``_chunks``; the pass that moves the chunks, in
+``_shared_pass``; the collectives and the protocol thread's calls onto the loop, in
+``_protocol``. Here: the plans, the pre-flight, the agreement, and the load's owner.
 """
 
 from __future__ import annotations
@@ -47,32 +49,31 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from .._failures import first_line
+from ..checkpoint._format import Checkpoint, TensorInfo
 from ..errors import (
-    AsyncSlabError,
     DistributedLoadError,
-    IncompleteLoadError,
     LoadError,
     PlanError,
 )
-from ..checkpoint._format import Checkpoint, TensorInfo
 from ..loading._load import Load, open_checked
 from ..loading._slabs import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
 from ..planning._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ..planning._plan import Plan, plan
 from ..planning._rules import Dense, RowSlice
-from ._chunks import (
-    POLL_S,
-    Chunk,
-    ChunkReader,
-    RouteIndex,
-    needed_ranges,
-    pack_ranges,
-    share_chunks,
-    unpack_ranges,
-)
-from ..loading._pinned import pinned_bytes
 from ..planning._vocabulary import Claim, Rule
+from ._chunks import needed_ranges, pack_ranges
+from ._protocol import (
+    ABORTED,
+    CANCELLED,
+    FAILED,
+    OK,
+    Abandoned,
+    CollectiveFailed,
+    call_in_loop,
+    describe,
+    gather,
+)
+from ._shared_pass import SharedPass
 
 __all__ = [
     "DEFAULT_ROWS",
@@ -281,26 +282,6 @@ class DistributedLoad:
 # --- the load ----------------------------------------------------------------------------
 
 
-class _CollectiveFailed(Exception):
-    """A collective raised: a rank died, hung past the group's timeout, or left."""
-
-    def __init__(self, step: str, error: BaseException) -> None:
-        super().__init__(step)
-        self.step = step
-        self.error = error
-
-
-class _Abandoned(Exception):
-    """The awaiting coroutine gave up (timeout); stop touching the event loop."""
-
-
-_OK, _FAILED, _ABORTED, _CANCELLED = "ok", "failed", "aborted", "cancelled"
-
-
-def _describe(err: BaseException) -> str:
-    return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-
-
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -423,7 +404,7 @@ class _Session:
                     )
         except Exception as err:
             self.local_error = err
-            hello["error"] = _describe(err)
+            hello["error"] = describe(err)
         return hello
 
     def abort(self, reason: str) -> None:
@@ -434,7 +415,7 @@ class _Session:
         if task is not None:
             task.cancel()
 
-    def _loop_gone(self) -> None:
+    def loop_gone(self) -> None:
         """The event loop can no longer be reached (the awaiting coroutine gave up at its
         deadline, or the loop closed): nothing more lands on this rank. Called on the
         protocol thread, which still finishes the protocol, reporting this rank as
@@ -443,6 +424,9 @@ class _Session:
             if self.abort_reason is None:
                 # Only reached when the loop closed under a load nobody cancelled.
                 self.abort_reason = "abandoned (its event loop closed)"
+
+    def failing(self) -> bool:
+        return self.local_error is not None or self.abort_reason is not None
 
     # -- protocol thread --
 
@@ -453,7 +437,7 @@ class _Session:
             if self.comm_cuda:
                 # The CUDA device is per thread; NCCL's object collectives use the current one.
                 torch.cuda.set_device(self.comm_device)
-            hellos = self._gather(hello, "pre-flight")
+            hellos = self.gather(hello, "pre-flight")
             problems = _check_hellos(hellos, self.world)
             if problems:
                 return "error", self._error(problems, "ranks disagree before loading")
@@ -461,38 +445,33 @@ class _Session:
                 failed = {h["rank"]: h["error"] for h in hellos if h["error"]}
                 return "error", self._error(failed, "before loading")
             if self.share:
-                failed = self._share(hellos)
+                failed = SharedPass(self).run(hellos)
                 if failed:
                     return "error", self._error(failed, "before the first shared chunk")
             else:
                 self._independent()
-            reports = self._gather(self._final(), "agreement")
+            reports = self.gather(self._final(), "agreement")
             failed = {
                 r["rank"]: r["error"] or r["status"]
                 for r in reports
-                if r["status"] in (_FAILED, _CANCELLED)
+                if r["status"] in (FAILED, CANCELLED)
             }
             if not failed:
-                aborted = [r["rank"] for r in reports if r["status"] != _OK]
+                aborted = [r["rank"] for r in reports if r["status"] != OK]
                 if aborted:  # cannot happen: an abort always follows someone's failure
                     failed = {r: "stopped without a failing rank" for r in aborted}
             if failed:
                 return "error", self._error(failed, None)
             return "ok", reports
-        except _CollectiveFailed as err:
+        except CollectiveFailed as err:
             return "error", self._lost(err)
         finally:
             for fd in self.fds.values():
                 os.close(fd)
             self.fds.clear()
 
-    def _gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
-        out: list[Any] = [None] * self.world
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except Exception as err:
-            raise _CollectiveFailed(step, err) from err
-        return out
+    def gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
+        return gather(self.group, self.world, obj, step)
 
     def _error(self, failed: Mapping[int, str], context: str | None) -> DistributedLoadError:
         ranks = sorted(failed)
@@ -514,11 +493,11 @@ class _Session:
             err.__cause__ = self.local_error
         return err
 
-    def _lost(self, failure: _CollectiveFailed) -> DistributedLoadError:
+    def _lost(self, failure: CollectiveFailed) -> DistributedLoadError:
         err = DistributedLoadError(
             f"{self.where()}: the {failure.step} collective failed — another rank died, hung "
             "longer than the process group's timeout, or left the group; the process group "
-            f"is unusable now ({_describe(failure.error)})",
+            f"is unusable now ({describe(failure.error)})",
             ranks=(),
             errors={},
             rank=self.rank,
@@ -528,29 +507,10 @@ class _Session:
         err.__cause__ = failure.error
         return err
 
-    def _in_loop(self, fn: Callable[[], Any]) -> Any:
+    def in_loop(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the event loop (after everything queued before it) and return its
         result."""
-        if self.abandoned:
-            raise _Abandoned
-        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                cf.set_result(fn())
-            except BaseException as err:
-                cf.set_exception(err)
-
-        try:
-            self.loop.call_soon_threadsafe(run)
-        except RuntimeError:  # the loop is closed
-            raise _Abandoned from None
-        while True:
-            try:
-                return cf.result(timeout=POLL_S)
-            except concurrent.futures.TimeoutError:
-                if self.abandoned:
-                    raise _Abandoned from None
+        return call_in_loop(self.loop, fn, lambda: self.abandoned)
 
     def _independent(self) -> None:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -576,10 +536,10 @@ class _Session:
             task.add_done_callback(finished)
 
         try:
-            self._in_loop(start)
-        except _Abandoned:
+            self.in_loop(start)
+        except Abandoned:
             # The agreement still follows: the others wait in it for this rank's verdict.
-            self._loop_gone()
+            self.loop_gone()
             return
         try:
             done.result()
@@ -593,13 +553,13 @@ class _Session:
 
     def _final(self) -> dict[str, Any]:
         if self.abort_reason is not None:
-            status, error = _CANCELLED, f"load {self.abort_reason}"
+            status, error = CANCELLED, f"load {self.abort_reason}"
         elif self.local_error is not None:
-            status, error = _FAILED, _describe(self.local_error)
+            status, error = FAILED, describe(self.local_error)
         elif self.stopped_by is not None:
-            status, error = _ABORTED, None
+            status, error = ABORTED, None
         else:
-            status, error = _OK, None
+            status, error = OK, None
         return {
             "rank": self.rank,
             "status": status,
@@ -614,228 +574,6 @@ class _Session:
             "elapsed_s": time.perf_counter() - self.started,
             "peak_rss": _peak_rss(),
         }
-
-    # -- read once, share --
-
-    def _failing(self) -> bool:
-        return self.local_error is not None or self.abort_reason is not None
-
-    def _share(self, hellos: Sequence[dict[str, Any]]) -> dict[int, str]:
-        """The shared pass. Returns the ranks whose set-up failed, with their errors (the
-        same on every rank; no chunk was exchanged then), else ``{}``."""
-        rank, nbuf = self.rank, 2
-        pin = torch.cuda.is_available() and (self.comm_cuda or self.slabs.device.type == "cuda")
-        chunks: list[Chunk] = []
-        size = 0
-        host: list[torch.Tensor] = []
-        comm = host
-        routes: RouteIndex | None = None
-        reader: ChunkReader | None = None
-        setup_error: Exception | None = None
-        try:
-            try:
-                # A chunk's broadcast is its payload and a status byte, chunk_bytes in all:
-                # a power of two fills the pinned block torch makes of it (a payload of
-                # 16 MiB and its byte took 32 MiB pinned, see pinned_bytes).
-                chunks = share_chunks(
-                    [unpack_ranges(h["ranges"]) for h in hellos],
-                    chunk_bytes=max(1, self.chunk_bytes - 1),
-                    gap=self.options.coalesce_gap,
-                )
-                relevant = [c for c in chunks if c.shared or c.owner == rank]
-                size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
-                try:
-                    host[:] = [
-                        torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)
-                    ]
-                except (RuntimeError, MemoryError) as err:
-                    raise LoadError(
-                        f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
-                        f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
-                        rank=rank,
-                    ) from err
-                if self.comm_cuda:
-                    comm = [
-                        torch.empty(size, dtype=torch.uint8, device=self.comm_device)
-                        for _ in range(nbuf)
-                    ]
-                # What is held: torch pins a power of two (chunk_bytes, unless one chunk
-                # is smaller); the device buffers are as asked.
-                held = pinned_bytes(size) if pin else size
-                assert self.load is not None
-                self.load.record_staging(nbuf * (held + (size if self.comm_cuda else 0)))
-                routes = RouteIndex(self.plan, self.load.sink)
-                reader = ChunkReader(
-                    chunks,
-                    rank,
-                    host,
-                    nbuf,
-                    self.fds,
-                    [str(f.path) for f in self.plan.files],
-                    failing=self._failing,
-                    aborted=lambda: self.abort_reason is not None,
-                )
-                reader.start()
-            except Exception as err:
-                setup_error = self.local_error = err
-            # A rank whose set-up failed cannot take part in the chunks (it may lack the
-            # buffers to receive them, and it may own none to stop the group at), and its
-            # peers would wait for it in the first one until the group's timeout: every
-            # rank learns of it here, before any chunk.
-            error = None if setup_error is None else _describe(setup_error)
-            setups = self._gather({"rank": rank, "error": error}, "set-up")
-            failed: dict[int, str] = {s["rank"]: s["error"] for s in setups if s["error"]}
-            if failed or routes is None or reader is None:  # only where the set-up failed
-                if rank not in failed:
-                    self.stopped_by = min(failed)
-                return failed
-            # Zero-byte routes lie in no chunk: they land now, as the loader lands them
-            # without a read (else their units never complete). Queued before any chunk's
-            # landing.
-            try:
-                self.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
-            except RuntimeError:  # the loop is closed
-                self._loop_gone()
-            for k, chunk in enumerate(chunks):
-                if chunk.shared or chunk.owner == rank:
-                    read = reader.take(k) if chunk.owner == rank else None
-                    if self._chunk(k, chunk, read, host[k % nbuf], comm[k % nbuf], routes):
-                        break
-                reader.advance(k)
-            return {}
-        finally:
-            if reader is not None:
-                # Aborted with a read still in flight (it may never return), the reader
-                # keeps its files and buffers and this goes on to the agreement.
-                if reader.finish():
-                    self.fds = {}
-                self.bytes_read, self.reads = reader.bytes_read, reader.reads
-            try:
-                self._in_loop(self._settle_share)
-            except _Abandoned:
-                self._loop_gone()
-
-    def _chunk(
-        self,
-        k: int,
-        chunk: Chunk,
-        read: BaseException | None,
-        host: torch.Tensor,
-        comm: torch.Tensor,
-        routes: RouteIndex,
-    ) -> bool:
-        """Process chunk ``k`` (``read``: the error of this rank's read of it, if it owns
-        it); ``True`` when the whole group stops here."""
-        n = chunk.nbytes
-        if chunk.owner == self.rank:
-            if read is not None and self.local_error is None:
-                self.local_error = read
-            if not chunk.shared:
-                if not self._failing():
-                    self._deliver(chunk, host, routes)
-                return False
-            status = 1 if self.local_error is not None else 2 if self._failing() else 0
-            host[n] = status
-            if self.comm_cuda:
-                comm[: n + 1].copy_(host[: n + 1])
-            self._broadcast(comm[: n + 1], chunk.owner, k)
-            if status:
-                return True
-            self.bytes_sent += n
-            self._deliver(chunk, comm, routes)
-            return False
-        self._broadcast(comm[: n + 1], chunk.owner, k)
-        if int(comm[n].item()):
-            self.stopped_by = chunk.owner
-            return True
-        self.bytes_received += n
-        if not self._failing() and self.rank in chunk.needers:
-            self._deliver(chunk, comm, routes)
-        return False
-
-    def _broadcast(self, tensor: torch.Tensor, owner: int, k: int) -> None:
-        src = owner if self.group is None else dist.get_global_rank(self.group, owner)
-        try:
-            dist.broadcast(tensor, src=src, group=self.group)
-        except Exception as err:
-            raise _CollectiveFailed(f"chunk {k} broadcast", err) from err
-
-    def _deliver(self, chunk: Chunk, buffer: torch.Tensor, routes: RouteIndex) -> None:
-        """:meth:`_copy_out`, its failure this rank's error: raised out of the protocol, it
-        would skip this rank's remaining collectives and leave the others waiting in them."""
-        try:
-            self._copy_out(chunk, buffer, routes)
-        except Exception as err:
-            if self.local_error is None:
-                self.local_error = err
-
-    def _copy_out(self, chunk: Chunk, buffer: torch.Tensor, routes: RouteIndex) -> None:
-        """Copy every overlap of the chunk with this rank's routes into its slot, then land
-        those bytes (on the loop, in order)."""
-        landed: list[tuple[int, int]] = []
-        backing = routes.backing
-        for seg in chunk.segments:
-            for route, src, base, dst, nbytes in routes.overlaps(seg):
-                start = seg.at + (src - seg.offset)
-                backing.narrow(0, base + dst, nbytes).copy_(buffer.narrow(0, start, nbytes))
-                landed.append((route, nbytes))
-        if not landed:
-            return
-        if routes.cuda:
-            torch.cuda.current_stream(routes.cuda_device).synchronize()
-        if self.abandoned:
-            return
-        try:
-            self.loop.call_soon_threadsafe(self._land, landed)
-        except RuntimeError:  # the loop is closed
-            self._loop_gone()
-
-    def _begin_landing(self, empty: Sequence[int]) -> None:
-        if self.abandoned or self.local_error is not None:
-            return
-        try:
-            assert self.load is not None
-            self.load.begin(None)  # completes units without routes, as the loader
-            for route in empty:
-                self.load.land(route, 0)
-        except AsyncSlabError as err:
-            self.local_error = err
-
-    def _land(self, landed: list[tuple[int, int]]) -> None:
-        if self.abandoned or self.local_error is not None:
-            return
-        try:
-            assert self.load is not None
-            land = self.load.land
-            for route, nbytes in landed:
-                land(route, nbytes)
-        except AsyncSlabError as err:
-            self.local_error = err
-
-    def _settle_share(self) -> None:
-        load = self.load
-        if load is None:
-            return
-        load.bytes_read = self.bytes_read
-        load.reads = self.reads
-        if load.state != "loading":
-            return
-        if self.local_error is None and self.abort_reason is None and self.stopped_by is None:
-            if not load.complete:
-                self.local_error = IncompleteLoadError(
-                    f"shared load finished with incomplete units {load.missing_units()}"
-                )
-        if self.abort_reason is not None:
-            load.finish("cancelled", asyncio.CancelledError(self.abort_reason))
-        elif self.local_error is not None:
-            load.finish("failed", self.local_error)
-        elif self.stopped_by is not None:
-            load.finish(
-                "failed",
-                LoadError(f"stopped: rank {self.stopped_by} failed (see the load's error)"),
-            )
-        else:
-            load.finish("complete")
 
 
 def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str]:
