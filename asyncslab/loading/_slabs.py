@@ -120,32 +120,8 @@ class SlabSet:
             self._tensors.update(tensors)
             self._offset = dict.fromkeys(plan.slabs, 0)
             self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
-            empty: list[str] = []
         else:
-            # One allocation holds every slab; slab tensors are views of it, made when first
-            # asked for. An allocation per slab (with its views and a buffer for reads) costs
-            # a fixed overhead per slab, which a plan of hundreds of thousands of small tensors
-            # multiplies into seconds (figures in benchmarks/README.md).
-            self._offset, total, empty = slab_layout(plan, self.device)
-            try:
-                self._backing = torch.empty(max(total, 1), dtype=torch.uint8, device=self.device)
-            except RuntimeError as err:
-                raise LoadError(
-                    f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on "
-                    f"{self.device}: {first_line(err)}"
-                ) from err
-        for name in empty:
-            spec = plan.slabs[name]
-            # A zero-size shape whose other dimensions pass 2**63 is valid in a header but
-            # not in torch (a view would not notice): refuse it now.
-            try:
-                torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-            except (RuntimeError, TypeError) as err:
-                raise LoadError(
-                    f"cannot make slab {name!r} of shape {list(spec.shape)} "
-                    f"({spec.dtype}): {first_line(err)}",
-                    slab=name,
-                ) from err
+            self._offset, self._backing = _allocate(plan, self.device)
         self._health = Health()
         self._adopt(plan)
         self._load = self._idle()
@@ -549,6 +525,35 @@ def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, 
         if nbytes == 0:
             empty.append(name)
     return offsets, total, empty
+
+
+def _allocate(plan: Plan, device: torch.device) -> tuple[dict[str, int], torch.Tensor]:
+    """Every slab's offset in one allocation, and the allocation."""
+    # One allocation holds every slab; slab tensors are views of it, made when first asked
+    # for. An allocation per slab (with its views and a buffer for reads) costs a fixed
+    # overhead per slab, which a plan of hundreds of thousands of small tensors multiplies
+    # into seconds (figures in docs/performance.md).
+    offsets, total, empty = slab_layout(plan, device)
+    try:
+        backing = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+    except RuntimeError as err:
+        raise LoadError(
+            f"cannot allocate {total} bytes for {len(plan.slabs)} slabs on "
+            f"{device}: {first_line(err)}"
+        ) from err
+    for name in empty:
+        spec = plan.slabs[name]
+        # A zero-size shape whose other dimensions pass 2**63 is valid in a header but not
+        # in torch (a view would not notice): refuse it now.
+        try:
+            torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+        except (RuntimeError, TypeError) as err:
+            raise LoadError(
+                f"cannot make slab {name!r} of shape {list(spec.shape)} "
+                f"({spec.dtype}): {first_line(err)}",
+                slab=name,
+            ) from err
+    return offsets, backing
 
 
 def _device_of(tensors: Mapping[str, torch.Tensor]) -> torch.device:
