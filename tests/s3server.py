@@ -145,9 +145,8 @@ class SeaweedServer:
         """A client of this server for the tests' own uploads (not through asyncslab)."""
         from obstore.store import S3Store
 
-        return S3Store(
-            bucket, config=self.options(), client_options={"allow_http": True}
-        )  # type: ignore[arg-type]
+        options: Any = self.options()
+        return S3Store(bucket, config=options, client_options={"allow_http": True})
 
     def stop(self) -> None:
         process, self.process = self.process, None
@@ -324,7 +323,8 @@ class FaultProxy:
         writer.write(head_out + payload[: fault.after])
         await writer.drain()
         if fault.kind == "stall":
-            while not self._released.is_set() and not reader.at_eof():
+            # A threading.Event (set from the test's thread): no asyncio.Event can report it.
+            while not self._released.is_set() and not reader.at_eof():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
 
 

@@ -54,6 +54,7 @@ __all__ = [
 #: A shard's header as read: the file, and its tensors in payload order.
 Shard = tuple[ShardFile, list[TensorInfo]]
 
+
 def read_header(path: str | os.PathLike[str]) -> tuple[ShardFile, list[TensorInfo]]:
     """Read and validate one file's header; the payload is never read."""
     return _read_header(path if isinstance(path, Path) else Path(path))

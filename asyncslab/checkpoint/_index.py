@@ -43,6 +43,7 @@ __all__ = [
     "read_index",
 ]
 
+
 @dataclass(frozen=True, slots=True)
 class Index:
     """An index's ``weight_map`` as parallel lists.

@@ -28,12 +28,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, IndexFileError, MissingFileError
 from ._header import INDEX_NAME, INDEX_SUFFIX, ShardFile, TensorInfo, shard_of
 from ._index import Index, check_name, choose_index, index_of_text
 from ._source import ObjectLocation, ObjectPath, StoreSpec
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 __all__ = [
     "Found",
@@ -112,19 +115,22 @@ def _endpoint(settings: Mapping[str, str]) -> str:
     return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
 
 
-def client(spec: StoreSpec, timeout: float | None = None) -> Any:
-    """The obstore store of ``spec``'s bucket (one per spec, timeout and environment: a
+def client(spec: StoreSpec, timeout: float | None = None, *, retry: bool = True) -> Any:
+    """The obstore store of ``spec``'s bucket (one per spec, settings and environment: a
     load's requests share its connection pool). ``timeout``: seconds a whole request (its
-    body included) may take."""
+    body included) may take. ``retry`` False: the client retries nothing, for a caller that
+    retries itself within a deadline (the client's retries would multiply its timeout)."""
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
-    return _client(spec, timeout, env)
+    return _client(spec, timeout, retry, env)
 
 
 _ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
 
 
 @functools.lru_cache(maxsize=64)
-def _client(spec: StoreSpec, timeout: float | None, env: tuple[tuple[str, str], ...]) -> Any:
+def _client(
+    spec: StoreSpec, timeout: float | None, retry: bool, env: tuple[tuple[str, str], ...]
+) -> Any:
     # ``env``: the variables the client reads, so that a changed environment makes a new one.
     from obstore.store import AzureStore, GCSStore, S3Store
 
@@ -139,7 +145,10 @@ def _client(spec: StoreSpec, timeout: float | None, env: tuple[tuple[str, str], 
     kinds["abfs"] = AzureStore
     try:
         return kinds[spec.scheme](
-            spec.bucket, config=config, client_options=options, retry_config=_RETRY
+            spec.bucket,
+            config=config,
+            client_options=options,
+            retry_config=_RETRY if retry else {"max_retries": 0},
         )
     except Exception as err:
         raise CheckpointError(
@@ -199,7 +208,8 @@ class _ObjectSource:
     def __init__(
         self, store: Any, location: ObjectLocation, path: ObjectPath, meta: Mapping[str, Any]
     ) -> None:
-        self.store, self.location, self.path = store, location, path
+        self.store, self.location = store, location
+        self.path: Path = path
         self.size = int(meta["size"])
         self.mtime_ns = _nanoseconds(meta.get("last_modified"))
         self._first: bytes | None = None
@@ -215,7 +225,7 @@ class _ObjectSource:
         import obstore
 
         location = self.location
-        options: dict[str, Any] = {"range": (start, end)}
+        options: GetOptions = {"range": (start, end)}
         if location.etag is not None:
             options["if_match"] = location.etag
         what = f"reading bytes {start}-{end - 1}"
@@ -251,7 +261,7 @@ def _listing(store: Any, spec: StoreSpec, prefix: str) -> dict[str, dict[str, An
     where = ObjectPath.of(spec.scheme, spec.bucket, prefix)
     try:
         pages = obstore.list(store, prefix + "/" if prefix else None, chunk_size=1000)
-        return {meta["path"]: meta for page in pages for meta in page}
+        return {meta["path"]: dict(meta) for page in pages for meta in page}
     except Exception as err:
         raise _refused(err, f"listing bucket {spec.bucket!r}", where, spec) from None
 

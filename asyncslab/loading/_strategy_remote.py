@@ -20,7 +20,7 @@ seconds, so a server that stops answering fails the load within ``read_timeout``
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ from ._pinned import StagingBuffers, StagingStatistics, staging_budget
 from ._read import byte_view
 from ._schedule import schedule
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
+from ._strategy_staged import staging_buffer
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 __all__ = ["Remote", "fetch", "reads_objects"]
 
@@ -69,7 +73,10 @@ class Remote:
             self.read_size = self.staging_budget // self.workers
         self._attempts = options.request_retries + 1
         timeout = options.read_timeout
-        self._timeout = None if timeout is None else timeout / self._attempts
+        # All attempts and the waits between them within read_timeout (the backoff takes at
+        # most half of it).
+        waits = min(sum(_backoff(k) for k in range(1, self._attempts)), (timeout or 0) / 2)
+        self._timeout = None if timeout is None else (timeout - waits) / self._attempts
         self._copier = copier
         self._staging: StagingBuffers | None = None
 
@@ -85,9 +92,7 @@ class Remote:
         if self._staged:
             pin = self._pin
             staging = self._staging = StagingBuffers(
-                self.staging_budget,
-                self.workers,
-                lambda size: torch.empty(size, dtype=torch.uint8, pin_memory=pin),
+                self.staging_budget, self.workers, lambda size: staging_buffer(size, pin)
             )
 
         def read_one(worker: int, index: int) -> int:
@@ -115,10 +120,15 @@ class Remote:
             self._staging.close()
 
 
+def _backoff(attempt: int) -> float:
+    """Seconds to wait before attempt ``attempt`` (1: the first retry)."""
+    return min(_BACKOFF_S * 2.0 ** (attempt - 1), _BACKOFF_MAX_S)
+
+
 def _store_of(shard: ShardFile, timeout: float | None) -> Any:
     if shard.source is None:
         raise LoadError("not an object", file=shard.path)
-    return client(shard.source.store, timeout)
+    return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
 
 
 def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int) -> Any:
@@ -129,7 +139,7 @@ def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int)
 
     location = shard.source
     assert location is not None
-    options: dict[str, Any] = {"range": (offset, offset + nbytes)}
+    options: GetOptions = {"range": (offset, offset + nbytes)}
     if location.etag is not None:
         options["if_match"] = location.etag
     span = f"bytes {offset}-{offset + nbytes - 1}"
@@ -137,7 +147,7 @@ def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int)
     kind = "transient"
     for attempt in range(attempts):
         if attempt:
-            time.sleep(min(_BACKOFF_S * 2 ** (attempt - 1), _BACKOFF_MAX_S))
+            time.sleep(_backoff(attempt))
         try:
             result = obstore.get(store, location.key, options=options)
             got = result.meta.get("e_tag")

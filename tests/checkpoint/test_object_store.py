@@ -58,7 +58,8 @@ def test_a_prefix_with_an_index_opens_as_the_local_checkpoint_does(
     assert str(remote.root) == "s3://models/small"
     assert str(remote.index) == "s3://models/small/model.safetensors.index.json"
     for shard, mine in zip(remote.files, local.files, strict=True):
-        assert shard.source is not None and shard.source.etag
+        assert shard.source is not None
+        assert shard.source.etag
         assert (shard.size, shard.header_len) == (mine.size, mine.header_len)
     # The plan is the local one's, file for file.
     planned = asyncslab.plan(remote, tier_map=small_checkpoint.tier_map_path)
@@ -133,7 +134,8 @@ def test_bad_credentials_are_refused_without_showing_the_secret(
     with pytest.raises(MissingFileError, match=r"s3://models/small.*access denied") as refused:
         Checkpoint.open(s3_small, storage_options=options)
     text = f"{refused.value} {refused.value!r} {refused.value.details}"
-    assert "not-the-secret-0123456789" not in text and SECRET_KEY not in text
+    assert "not-the-secret-0123456789" not in text
+    assert SECRET_KEY not in text
     assert refused.value.__cause__ is None  # the client's message (with its debug dump) goes
 
 

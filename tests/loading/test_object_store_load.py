@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 
 import obstore
 import pytest
@@ -13,10 +14,10 @@ import torch
 from safetensors.torch import save
 
 import asyncslab
-from asyncslab import Checkpoint, LoadOptions, SlabSet, load
+from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, load
 from asyncslab.errors import FileChangedError, ReadError, ReadTimeoutError
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import assert_units_all_or_nothing, io_threads, until, wait_io_threads_gone
+from tests.helpers import assert_units_all_or_nothing, until, wait_io_threads_gone
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.asyncio
@@ -31,6 +32,16 @@ def _payload(request: Request) -> bool:
 
 def _open(server: SeaweedServer, uri: str, endpoint: str | None = None) -> Checkpoint:
     return Checkpoint.open(uri, storage_options=server.options(endpoint))
+
+
+@pytest.fixture
+def proxied(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> Iterator[tuple[FaultProxy, Checkpoint, Plan]]:
+    """``s3_small`` opened through a fault-injecting proxy, and planned."""
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        yield proxy, ckpt, asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
 
 
 def _bit_exact(slabs: SlabSet, local: SyntheticCheckpoint) -> None:
@@ -91,7 +102,8 @@ async def test_progress_readiness_and_reload_in_place(
         await slabs.ready()
         pointers = {name: slabs.slab(name).data_ptr() for name in p.slabs}
         assert sorted(ready) == sorted(p.units)
-        assert seen[-1].state == "complete" and seen[-1].bytes_landed == p.nbytes
+        assert seen[-1].state == "complete"
+        assert seen[-1].bytes_landed == p.nbytes
         # Again, in place: the same memory, the same bytes.
         await slabs.load(ckpt, options=SMALL)
         assert {name: slabs.slab(name).data_ptr() for name in p.slabs} == pointers
@@ -125,69 +137,67 @@ async def test_an_object_replaced_after_planning_is_refused_naming_it(
 
 
 async def test_a_body_cut_mid_way_is_retried_and_lands_bit_exact(
-    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
 ) -> None:
-    with FaultProxy(s3_server.endpoint) as proxy:
-        ckpt = _open(s3_server, s3_small, proxy.endpoint)
-        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
-        cut = proxy.add(Fault("cut", _payload, after=100, times=3))
-        async with await load(ckpt, p, options=SMALL) as slabs:
-            _bit_exact(slabs, small_checkpoint)
-        assert cut.hits == 3
+    proxy, ckpt, p = proxied
+    cut = proxy.add(Fault("cut", _payload, after=100, times=3))
+    async with await load(ckpt, p, options=SMALL) as slabs:
+        _bit_exact(slabs, small_checkpoint)
+    assert cut.hits == 3
 
 
 async def test_a_body_cut_every_time_fails_naming_object_and_range(
-    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
 ) -> None:
-    with FaultProxy(s3_server.endpoint) as proxy:
-        ckpt = _open(s3_server, s3_small, proxy.endpoint)
-        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
-        proxy.add(Fault("cut", _payload, after=10, times=-1))
-        options = LoadOptions(request_size=4096, request_concurrency=2, request_retries=2)
-        async with SlabSet(p) as slabs:
-            with pytest.raises(ReadError, match=r"s3://models/small/.*GET of bytes \d+-\d+ "):
-                await slabs.load(ckpt, options=options)
-            assert slabs.state == "failed"
-            assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
+    proxy, ckpt, p = proxied
+    proxy.add(Fault("cut", _payload, after=10, times=-1))
+    options = LoadOptions(request_size=4096, request_concurrency=2, request_retries=2)
+    async with SlabSet(p) as slabs:
+        with pytest.raises(ReadError, match=r"s3://models/small/.*GET of bytes \d+-\d+ "):
+            await slabs.load(ckpt, options=options)
+        assert slabs.state == "failed"
+        assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
     assert await wait_io_threads_gone() == []
 
 
 async def test_a_server_that_stops_answering_fails_the_load_within_read_timeout(
-    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
 ) -> None:
-    with FaultProxy(s3_server.endpoint) as proxy:
-        ckpt = _open(s3_server, s3_small, proxy.endpoint)
-        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
-        proxy.add(Fault("stall", _payload, after=10, times=-1))
-        options = LoadOptions(request_size=4096, request_concurrency=2, read_timeout=1.0)
-        async with SlabSet(p) as slabs:
-            with pytest.raises(ReadTimeoutError, match=r"s3://models/small/"):
-                await slabs.load(ckpt, options=options)
-            assert slabs.state == "failed"
-            assert "cannot be reused" not in str(slabs.statistics().error)
+    proxy, ckpt, p = proxied
+    proxy.add(Fault("stall", _payload, after=10, times=-1))
+    options = LoadOptions(
+        request_size=4096, request_concurrency=2, read_timeout=2.0, request_retries=1
+    )
+    async with SlabSet(p) as slabs:
+        with pytest.raises(ReadTimeoutError, match=r"s3://models/small/"):
+            await slabs.load(ckpt, options=options)
+        assert slabs.state == "failed"
         assert await wait_io_threads_gone() == []
         await until(lambda: proxy.open_connections == 0)
+        # Every GET ended within the drain: the slabs stay usable once the server answers.
+        proxy.faults.clear()
+        proxy.release()
+        await slabs.load(ckpt, options=options)
+        _bit_exact(slabs, small_checkpoint)
 
 
 async def test_cancelling_a_load_mid_way_leaves_no_thread_or_connection(
-    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
 ) -> None:
-    with FaultProxy(s3_server.endpoint) as proxy:
-        ckpt = _open(s3_server, s3_small, proxy.endpoint)
-        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
-        stalled = threading.Event()
-        proxy.add(Fault("before", _payload, hook=lambda r: stalled.set()))
-        proxy.add(Fault("stall", _payload, after=10, times=-1))
-        async with SlabSet(p) as slabs:
-            task = asyncio.create_task(slabs.load(ckpt, options=SMALL))
-            await asyncio.to_thread(stalled.wait)
-            await until(lambda: len(proxy.matching(_payload)) >= 2)  # one is stalled
-            task.cancel()
-            proxy.release()  # the stalled response ends: its thread returns
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert slabs.state == "cancelled"
-            assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
-        assert await wait_io_threads_gone() == []
-        await until(lambda: proxy.open_connections == 0)
-        assert io_threads() == []
+    proxy, ckpt, p = proxied
+    # The first payload GET goes through; every later one stalls after 10 bytes.
+    first = threading.Event()
+    proxy.add(Fault("before", _payload, hook=lambda r: first.set()))
+    proxy.add(Fault("stall", _payload, after=10, times=-1))
+    async with SlabSet(p) as slabs:
+        task = asyncio.create_task(slabs.load(ckpt, options=SMALL))
+        await asyncio.to_thread(first.wait)
+        await until(lambda: len(proxy.matching(_payload)) >= 2)  # one is stalled
+        task.cancel()
+        proxy.release()  # the stalled responses end: their threads return
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert slabs.state == "cancelled"
+        assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
+    assert await wait_io_threads_gone() == []
+    await until(lambda: proxy.open_connections == 0)
