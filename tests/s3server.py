@@ -196,13 +196,19 @@ class Fault:
     ``cut``: send the response head and ``after`` bytes of the body, then close.
     ``stall``: the same, then hold the connection until :meth:`FaultProxy.release`.
     ``before``: run ``hook`` (on the proxy's thread), then forward the request as is.
+    ``status``: answer ``status`` with an empty body, never asking the server.
+    ``etag``: pass the response on with its ETag header set to ``etag`` (a server that
+    ignored ``If-Match`` and served another version: the request itself is signed, and
+    dropping its header would only make the server refuse the signature).
     """
 
-    kind: Literal["cut", "stall", "before"]
+    kind: Literal["cut", "stall", "before", "status", "etag"]
     match: Callable[[Request], bool]
     after: int = 0
     times: int = 1
     hook: Callable[[Request], None] | None = None
+    status: int = 403
+    etag: str = '"another-version"'
     hits: int = field(default=0)
 
 
@@ -299,6 +305,11 @@ class FaultProxy:
         path, _, query = target.partition("?")
         request = Request(method, path, query, headers)
         fault = self._fault_for(request)
+        if fault is not None and fault.kind == "status":
+            reply = f"HTTP/1.1 {fault.status} Refused\r\nContent-Length: 0\r\n"
+            writer.write(f"{reply}Connection: close\r\n\r\n".encode())
+            await writer.drain()
+            return
         if fault is not None and fault.kind == "before" and fault.hook is not None:
             await asyncio.to_thread(fault.hook, request)
         kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith("connection:")]
@@ -314,9 +325,13 @@ class FaultProxy:
         head_out = response[:split]
         head_lines = head_out.decode("latin-1").split("\r\n")
         head_lines = [ln for ln in head_lines if not ln.lower().startswith("connection:")]
+        if fault is not None and fault.kind == "etag":
+            head_lines = [
+                f"ETag: {fault.etag}" if ln.lower().startswith("etag:") else ln for ln in head_lines
+            ]
         head_out = "\r\n".join([*head_lines[:-2], "Connection: close", "", ""]).encode("latin-1")
         payload = response[split:]
-        if fault is None or fault.kind == "before":
+        if fault is None or fault.kind in ("before", "etag"):
             writer.write(head_out + payload)
             await writer.drain()
             return

@@ -201,3 +201,40 @@ async def test_cancelling_a_load_mid_way_leaves_no_thread_or_connection(
         assert_units_all_or_nothing(slabs, Checkpoint.open(small_checkpoint.root))
     assert await wait_io_threads_gone() == []
     await until(lambda: proxy.open_connections == 0)
+
+
+async def test_an_object_replaced_behind_a_server_ignoring_if_match_is_still_refused(
+    s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
+) -> None:
+    """The ETag of every response is checked too: a response of another version (a server
+    that ignored If-Match; the proxy sets its ETag) is refused."""
+    with FaultProxy(s3_server.endpoint) as proxy:
+        ckpt = _open(s3_server, s3_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        proxy.add(Fault("etag", _payload, etag='"another-version"'))
+        async with SlabSet(p) as slabs:
+            with pytest.raises(FileChangedError, match='"another-version"') as err:
+                await slabs.load(ckpt, options=SMALL)
+            assert err.value.details["got"] == '"another-version"'
+            assert slabs.state == "failed"
+
+
+async def test_an_object_deleted_or_forbidden_during_a_load_is_a_clear_error(
+    proxied: tuple[FaultProxy, Checkpoint, Plan], s3_server: SeaweedServer
+) -> None:
+    proxy, ckpt, p = proxied
+    proxy.add(Fault("status", _payload, status=403, times=-1))
+    async with SlabSet(p) as slabs:
+        with pytest.raises(ReadError, match=r"s3://models/small/.*access denied"):
+            await slabs.load(ckpt, options=SMALL)
+    proxy.faults.clear()
+    key = ckpt.files[0].source.key
+    data = obstore.get(s3_server.store(), key).bytes()
+    obstore.delete(s3_server.store(), key)
+    try:
+        async with SlabSet(p) as slabs:
+            with pytest.raises(FileChangedError, match=r"is gone") as err:
+                await slabs.load(ckpt, options=SMALL)
+            assert err.value.details["got"] is None
+    finally:
+        obstore.put(s3_server.store(), key, data)
