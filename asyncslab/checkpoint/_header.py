@@ -582,6 +582,22 @@ def _parse_general(text: str, path: Path) -> _Columns:
         entries.append((begin, end, name, st, tuple(shape)))
 
     entries.sort()
+    _check_contiguous(entries, path)
+    return _Columns(
+        metadata,
+        [e[2] for e in entries],
+        [DTYPES[e[3]] for e in entries],
+        [e[3] for e in entries],
+        [e[4] for e in entries],
+        [e[0] for e in entries],
+        [e[1] - e[0] for e in entries],
+    )
+
+
+def _check_contiguous(
+    entries: list[tuple[int, int, str, str, tuple[int, ...]]], path: Path
+) -> None:
+    """Sorted ``(begin, end, name, ...)`` entries must tile the payload from offset 0."""
     position = 0
     previous: str | None = None
     for begin, end, name, _, _ in entries:
@@ -598,15 +614,6 @@ def _parse_general(text: str, path: Path) -> _Columns:
             )
         position = end
         previous = name
-    return _Columns(
-        metadata,
-        [e[2] for e in entries],
-        [DTYPES[e[3]] for e in entries],
-        [e[3] for e in entries],
-        [e[4] for e in entries],
-        [e[0] for e in entries],
-        [e[1] - e[0] for e in entries],
-    )
 
 
 def header_bytes(source: ByteSource) -> tuple[int, bytes]:
