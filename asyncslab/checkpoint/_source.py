@@ -31,7 +31,9 @@ class ObjectPath(PosixPath):
     local file: asking the file system about it finds nothing there."""
 
     def __str__(self) -> str:
-        scheme, *rest = self.parts
+        scheme, *rest = self.parts or ("",)
+        if not scheme.endswith(":"):  # a relative part (``relative_to`` the root)
+            return "/".join(self.parts)
         return f"{scheme}//{'/'.join(rest)}"
 
     def __fspath__(self) -> str:

@@ -36,6 +36,7 @@ import torch
 from ..testing import _verify
 from ..errors import AsyncSlabError, PlanError
 from ..checkpoint._format import INDEX_SUFFIX, Checkpoint
+from ..checkpoint._source import SCHEMES, ObjectPath
 from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
 from ..planning._plan import Plan, plan
 from ._progress import (
@@ -178,9 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a checkpoint's headers, plan it with the default rules and print "
         "files, tensors, slabs, bytes, units and the expert tiers of every layer.",
     )
-    inspect.add_argument(
-        "path", type=Path, help="a .safetensors file, an index or a checkpoint directory"
-    )
+    inspect.add_argument("path", type=_checkpoint_path, help=_PATH_HELP)
     inspect.add_argument("--json", action="store_true", help="print the plan summary as JSON")
     _add_plan_arguments(inspect)
     inspect.set_defaults(handler=_cmd_inspect)
@@ -192,9 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load a whole checkpoint into its slabs and print files, tensors, bytes, "
         "time, GB/s, peak staging and peak RSS.",
     )
-    load_p.add_argument(
-        "path", type=Path, help="a .safetensors file, an index or a checkpoint directory"
-    )
+    load_p.add_argument("path", type=_checkpoint_path, help=_PATH_HELP)
     load_p.add_argument("--device", type=_device_arg, default="cpu", help="cpu or cuda[:N]")
     _add_load_options(load_p)
     _add_plan_arguments(load_p)
@@ -403,10 +400,26 @@ def _fill_closed_std_fds() -> None:
 # --------------------------------------------------------------------------- shared pieces
 
 
+_PATH_HELP = (
+    "a .safetensors file, an index or a checkpoint directory; or the same in object storage, "
+    "s3://bucket/prefix (gs://, az://; credentials from the environment, "
+    "docs/object-storage.md)"
+)
+
+
+def _checkpoint_path(text: str) -> Path:
+    """The checkpoint argument: a local path, or an object-store URI kept whole."""
+    scheme = text.partition("://")[0]
+    if "://" in text and scheme in SCHEMES:
+        return ObjectPath.of(scheme, *text.partition("://")[2].partition("/")[::2])
+    return Path(text)
+
+
 def _open_and_plan(
     path: Path, *, tier_map: Path | Mapping[int, Mapping[int, int]] | None, rank: int | None
 ) -> tuple[Checkpoint, Plan]:
-    if not path.exists():
+    # A URI: Checkpoint.open says what is wrong with it.
+    if not isinstance(path, ObjectPath) and not path.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     if path.is_file() and path.name.endswith(".json") and not path.name.endswith(INDEX_SUFFIX):
         # A tier map passed as the checkpoint, say: said before opening, in the command
@@ -416,7 +429,7 @@ def _open_and_plan(
         raise UsageError(f"{tier_map} is a directory, not a tier map file")
     if isinstance(tier_map, Path) and not tier_map.is_file():
         raise FileNotFoundError(f"{tier_map}: tier map file does not exist")
-    checkpoint = Checkpoint.open(path)
+    checkpoint = Checkpoint.open(str(path) if isinstance(path, ObjectPath) else path)
     try:
         return checkpoint, plan(checkpoint, tier_map=tier_map, rank=rank)
     except PlanError as err:
@@ -799,6 +812,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
     json_path: Path | None = None if args.json is None or to_stdout else Path(args.json)
     if json_path is not None:
         _check_json_path(json_path)
+    if args.verify and isinstance(path, ObjectPath):
+        raise UsageError("--verify reads local files with safetensors; not an s3:// checkpoint")
     options = LoadOptions(
         io_workers=args.io_workers,
         read_size=args.read_mb,
