@@ -226,3 +226,19 @@ def test_storage_options_are_for_uris_and_obstore_is_not_imported_by_asyncslab()
     code = "import sys, asyncslab; print('obstore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_header_larger_than_the_first_read_is_fetched_whole(s3_server: SeaweedServer) -> None:
+    """The first GET of an object takes its first MiB; a larger header takes one more."""
+    data = save({"w": torch.ones(3)}, metadata={"note": "x" * ((1 << 20) + 100)})
+    _put(s3_server, "big-header/m.safetensors", data)
+    ckpt = Checkpoint.open("s3://models/big-header", storage_options=s3_server.options())
+    assert ckpt.files[0].header_len > 1 << 20
+    assert ckpt.files[0].metadata["note"] == "x" * ((1 << 20) + 100)
+
+
+def test_no_repr_shows_a_secret(s3_server: SeaweedServer, s3_small: str) -> None:
+    ckpt = Checkpoint.open(s3_small, storage_options=s3_server.options())
+    shown = f"{ckpt!r} {ckpt.files!r} {ckpt.tensors!r}"
+    assert SECRET_KEY not in shown
+    assert "s3://models/small/model-00001-of-00003.safetensors" in shown

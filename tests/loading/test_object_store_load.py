@@ -238,3 +238,34 @@ async def test_an_object_deleted_or_forbidden_during_a_load_is_a_clear_error(
             assert err.value.details["got"] is None
     finally:
         obstore.put(s3_server.store(), key, data)
+
+
+async def test_aclose_during_a_load_from_s3_releases_everything(
+    proxied: tuple[FaultProxy, Checkpoint, Plan],
+) -> None:
+    proxy, ckpt, p = proxied
+    first = threading.Event()
+    proxy.add(Fault("before", _payload, hook=lambda r: first.set()))
+    proxy.add(Fault("stall", _payload, after=10, times=-1))
+    slabs = SlabSet(p)
+    slabs.start(ckpt, options=SMALL)
+    await asyncio.to_thread(first.wait)
+    closing = asyncio.create_task(slabs.aclose())
+    await until(lambda: len(proxy.matching(_payload)) >= 2)
+    proxy.release()
+    await closing
+    assert slabs.state == "cancelled"
+    assert await wait_io_threads_gone() == []
+    await until(lambda: proxy.open_connections == 0)
+
+
+async def test_the_object_store_options_refuse_values_with_no_meaning() -> None:
+    with pytest.raises(ValueError, match="request_size"):
+        LoadOptions(request_size=0)
+    with pytest.raises(ValueError, match="request_concurrency"):
+        LoadOptions(request_concurrency=0)
+    with pytest.raises(ValueError, match="request_retries"):
+        LoadOptions(request_retries=-1)
+    with pytest.raises(TypeError, match="request_concurrency"):
+        LoadOptions(request_concurrency=1.5)  # type: ignore[arg-type]
+    assert LoadOptions(request_retries=0).request_retries == 0
