@@ -86,7 +86,12 @@ class Remote:
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
         shards = sink.plan.files
         stores = [_store_of(shard, self._timeout) for shard in shards]
-        ops, paths, attempts = reads.schedule.ops, files.paths, self._attempts
+        ops, paths, attempts, timeout = (
+            reads.schedule.ops,
+            files.paths,
+            self._attempts,
+            self._timeout,
+        )
         copy = named_copy(self._copier.copy, sink, paths)
         staging = None
         if self._staged:
@@ -97,7 +102,7 @@ class Remote:
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
-            data = fetch(stores[op.file], shards[op.file], op.offset, op.nbytes, attempts)
+            data = fetch(stores[op.file], shards[op.file], op.offset, op.nbytes, attempts, timeout)
             # A view of the client's buffer (kept alive by ``data`` until the copy returned).
             address = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
             response = torch.frombuffer(byte_view(address, op.nbytes), dtype=torch.uint8)
@@ -131,9 +136,17 @@ def _store_of(shard: ShardFile, timeout: float | None) -> Any:
     return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
 
 
-def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int) -> Any:
+def fetch(
+    store: Any,
+    shard: ShardFile,
+    offset: int,
+    nbytes: int,
+    attempts: int,
+    timeout: float | None = None,
+) -> Any:
     """Bytes ``[offset, offset + nbytes)`` of the object ``shard``, in one ranged GET pinned
-    to its ETag, retried ``attempts - 1`` times after a transient failure. Returns the
+    to its ETag, retried ``attempts - 1`` times after a transient failure (``timeout``: the
+    seconds each attempt may take, as ``store`` enforces them; for the message). Returns the
     client's buffer (it supports the buffer protocol)."""
     import obstore
 
@@ -171,9 +184,17 @@ def fetch(store: Any, shard: ShardFile, offset: int, nbytes: int, attempts: int)
         if len(data) == nbytes:
             return data
         kind, last = "transient", ValueError(f"the response held {len(data)} of {nbytes} bytes")
-    error = ReadTimeoutError if kind == "timeout" else ReadError
     why = redacted(str(last), location.store)
-    raise error(
+    if kind == "timeout":
+        each = "" if timeout is None else f" of at most {timeout:.3g} s each, within read_timeout"
+        raise ReadTimeoutError(
+            f"GET of {span} timed out ({attempts} attempts{each}): the server stopped "
+            f"answering ({why})",
+            file=shard.path,
+            offset=offset,
+            nbytes=nbytes,
+        )
+    raise ReadError(
         f"GET of {span} failed after {attempts} attempts: {why}",
         file=shard.path,
         offset=offset,
