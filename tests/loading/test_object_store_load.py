@@ -15,7 +15,7 @@ from safetensors.torch import save
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, load
-from asyncslab.errors import FileChangedError, ReadError, ReadTimeoutError
+from asyncslab.errors import FileChangedError, IncompleteLoadError, ReadError, ReadTimeoutError
 from asyncslab.testing import SyntheticCheckpoint
 from tests.helpers import assert_units_all_or_nothing, until, wait_io_threads_gone
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
@@ -104,7 +104,10 @@ async def test_progress_readiness_and_reload_in_place(
         assert sorted(ready) == sorted(p.units)
         assert seen[-1].state == "complete"
         assert seen[-1].bytes_landed == p.nbytes
-        # Again, in place: the same memory, the same bytes.
+        # Reset, then again in place: the same memory, the same bytes.
+        slabs.reset()
+        with pytest.raises(IncompleteLoadError):
+            slabs.slab(next(iter(p.slabs)))
         await slabs.load(ckpt, options=SMALL)
         assert {name: slabs.slab(name).data_ptr() for name in p.slabs} == pointers
         _bit_exact(slabs, small_checkpoint)
