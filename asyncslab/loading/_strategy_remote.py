@@ -13,8 +13,9 @@ bytes in flight whatever the checkpoint's size. The client waits with the GIL re
 before the load returns) are the local load's, unchanged.
 
 A response cut short, a dropped connection or a 5xx is retried (``request_retries`` times,
-backoff doubling from 50 ms); each attempt may take ``read_timeout / (request_retries + 1)``
-seconds, so a server that stops answering fails the load within ``read_timeout``.
+backoff doubling from 50 ms); the attempts and the waits between them share ``read_timeout``
+(the client enforces each attempt's share), so a server that stops answering fails the load
+within ``read_timeout`` and no GET outlives the load's drain.
 """
 
 from __future__ import annotations
@@ -86,12 +87,8 @@ class Remote:
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
         shards = sink.plan.files
         stores = [_store_of(shard, self._timeout) for shard in shards]
-        ops, paths, attempts, timeout = (
-            reads.schedule.ops,
-            files.paths,
-            self._attempts,
-            self._timeout,
-        )
+        ops, paths = reads.schedule.ops, files.paths
+        attempts, timeout = self._attempts, self._timeout
         copy = named_copy(self._copier.copy, sink, paths)
         staging = None
         if self._staged:
