@@ -272,3 +272,20 @@ async def test_the_object_store_options_refuse_values_with_no_meaning() -> None:
     with pytest.raises(TypeError, match="request_concurrency"):
         LoadOptions(request_concurrency=1.5)  # type: ignore[arg-type]
     assert LoadOptions(request_retries=0).request_retries == 0
+
+
+@pytest.mark.parametrize(("request_size", "concurrency"), [(1000, 1), (1000, 7), (1 << 20, 2)])
+async def test_any_request_size_and_concurrency_lands_bit_exact(
+    s3_server: SeaweedServer,
+    s3_small: str,
+    small_checkpoint: SyntheticCheckpoint,
+    request_size: int,
+    concurrency: int,
+) -> None:
+    """Requests smaller than a tensor (its chunks in several GETs), or holding many."""
+    ckpt = _open(s3_server, s3_small)
+    p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+    options = LoadOptions(request_size=request_size, request_concurrency=concurrency)
+    async with await load(ckpt, p, options=options) as slabs:
+        _bit_exact(slabs, small_checkpoint)
+        assert slabs.statistics().reads >= p.nbytes // request_size
