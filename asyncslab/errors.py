@@ -23,7 +23,7 @@ classes):
     ├── LoadError (RuntimeError): the load itself failed
     │   ├── ReadError
     │   │   └── ReadTimeoutError
-    │   ├── FileChangedError
+    │   ├── FileChangedError: changed since it was opened; also a CheckpointError
     │   ├── CudaError: a CUDA call failed, named with its error code
     │   └── DistributedLoadError: a load across ranks failed, raised on every rank
     ├── IncompleteLoadError (RuntimeError): a unit asked for before it is complete
@@ -259,8 +259,10 @@ class ReadTimeoutError(ReadError):
     """A read made no progress within the configured timeout."""
 
 
-class FileChangedError(LoadError):
-    """A shard file changed (size or identity) between planning and reading."""
+class FileChangedError(LoadError, CheckpointError):
+    """A shard file, or an object in object storage, changed (size, identity or ETag) between
+    opening and reading. Also a :class:`CheckpointError`: the checkpoint is no longer the one
+    planned, and opening it again is the remedy, not retrying the load."""
 
 
 class CudaError(LoadError):

@@ -135,6 +135,9 @@ async def test_an_object_replaced_after_planning_is_refused_naming_it(
             etag,
         )
         assert details["got"] not in (None, etag)
+        # The checkpoint is no longer the one planned: a checkpoint error too, not only a
+        # failed load.
+        assert isinstance(err.value, asyncslab.CheckpointError)
         assert slabs.state == "failed"
     assert await wait_io_threads_gone() == []
 
