@@ -181,7 +181,8 @@ def test_errors_read_as_asyncslab_errors_in_reprs_and_tracebacks() -> None:
     assert text.rstrip().endswith(
         "asyncslab.errors.PlanError: tensor 'lm_head.weight': no rule claims it"
     )
-    assert isinstance(err, asyncslab.LoadError) and isinstance(err, RuntimeError)
+    assert isinstance(err, asyncslab.LoadError)
+    assert isinstance(err, RuntimeError)
     clone = pickle.loads(pickle.dumps(err))
     assert type(clone) is asyncslab.errors.CudaError
     assert clone.details == {"call": "cudaHostRegister(read-only)", "code": 801}

@@ -260,7 +260,7 @@ def frozen_columns(
 
     A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``, a
     Python-level cost per field per instance that adds up to seconds for a few hundred
-    thousand tensors (figures in benchmarks/README.md). Filling one slot of every instance
+    thousand tensors (figures in docs/performance.md). Filling one slot of every instance
     with ``map`` over the slot's descriptor runs the loop in C; the instances are the same
     frozen objects ``__init__`` makes (there is no ``__post_init__`` to skip), as
     ``test_columns_make_the_objects_init_makes`` checks.
@@ -664,7 +664,7 @@ def gc_paused() -> Iterator[None]:
     # Parsing a large checkpoint creates millions of small containers, none cyclic; each
     # allocation burst would trigger a collection over everything parsed so far, so the
     # collector's work would grow with the square of the tensor count and find nothing to
-    # free (figures in benchmarks/README.md).
+    # free (figures in docs/performance.md).
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -33,20 +33,12 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import torch
 
-from ..testing import _verify
-from ..errors import AsyncSlabError, PlanError
 from ..checkpoint._format import INDEX_SUFFIX, Checkpoint
 from ..checkpoint._source import SCHEMES, ObjectPath
+from ..errors import AsyncSlabError, PlanError
 from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
 from ..planning._plan import Plan, plan
-from ._progress import (
-    ProgressBar,
-    format_bytes,
-    format_duration,
-    format_table,
-    parse_size,
-    size_arg,
-)
+from ..testing import _verify
 from ..testing._synthetic import (
     SyntheticCheckpoint,
     SyntheticSpec,
@@ -55,6 +47,14 @@ from ..testing._synthetic import (
     write_synthetic,
 )
 from ..testing._verify import VerifyResult
+from ._progress import (
+    ProgressBar,
+    format_bytes,
+    format_duration,
+    format_table,
+    parse_size,
+    size_arg,
+)
 
 __all__ = ["main", "parse_size", "size_arg", "verify_slabs"]
 

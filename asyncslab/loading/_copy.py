@@ -58,7 +58,7 @@ def read_direct(fd: int, op: ReadOp, target: Scatter, path: str) -> int:
 # A staged read fills its buffer in one syscall where the kernel allows. Every syscall ends
 # by retaking the GIL, and staging threads feeding a GPU queue for it behind the threads
 # issuing copies, so fewer syscalls per read load a GPU faster (figures in
-# benchmarks/README.md). Direct reads keep SYSCALL_BYTES for the event loop's sake on small
+# docs/performance.md). Direct reads keep SYSCALL_BYTES for the event loop's sake on small
 # machines (see _read); a staged read is bounded by its buffer anyway. Pinned by
 # test_staged_reads_take_one_syscall_and_one_copy_call_each.
 STAGED_SYSCALL_BYTES = 1 << 30

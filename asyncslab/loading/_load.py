@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..checkpoint._format import gc_paused
 from ..errors import (
     AsyncSlabError,
     FileChangedError,
@@ -34,9 +35,8 @@ from ..errors import (
     ReadError,
     ReadTimeoutError,
 )
-from ..checkpoint._format import gc_paused
-from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
 from ..planning._plan import Plan
+from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
 from ._read import IoPool, ReadFeed
 from ._schedule import ReadOp, Schedule
 from ._sink import Files, ReadOne, Reads, Sink, TransferStrategy
@@ -401,7 +401,7 @@ class Load:
                     # Give up the core between reads: with every core busy reading, a
                     # waking event loop would otherwise wait for one until a thread's time
                     # slice ends; the yield costs no load time (figures in
-                    # benchmarks/README.md; test_io_threads_give_up_the_core_after_every_read).
+                    # docs/performance.md; test_io_threads_give_up_the_core_after_every_read).
                     _yield()
             except BaseException:
                 feed.stop()

@@ -46,7 +46,7 @@ class LoadOptions:
     ``io_nice``: added to the nice value of the I/O threads (Linux, where it is per thread;
     ignored elsewhere), so that the event loop, and anything else of normal priority, gets a
     core the moment it wants one, while the load still takes every idle cycle (the lag it
-    saves is measured in benchmarks/README.md). Not 19: an I/O thread holds the GIL briefly
+    saves is measured in docs/performance.md). Not 19: an I/O thread holds the GIL briefly
     between two reads, and the loop waiting for it should not wait behind everything else on
     the machine. 0 leaves the threads as they are.
     ``transfer``: how bytes reach the slabs. ``"direct"`` (CPU targets): read straight into

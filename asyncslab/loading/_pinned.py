@@ -10,7 +10,7 @@ behind the other threads (see ``_read.ReadFeed``).
 A buffer is made (pinned) by its thread when that thread first reads, so the first read
 starts after one buffer is pinned, not all of them: pinning is slow enough that pinning
 the whole budget up front is a visible share of a GPU load (figures in
-benchmarks/README.md). Tests: ``test_staged_load_pins_one_buffer_per_thread_on_the_threads``,
+docs/performance.md). Tests: ``test_staged_load_pins_one_buffer_per_thread_on_the_threads``,
 ``test_staging_buffers_one_per_thread_made_when_first_used``.
 """
 

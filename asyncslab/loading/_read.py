@@ -11,7 +11,7 @@ array, built once per plan and reused by every load, handed to libc's ``preadv``
 Python object per destination. ``os.preadv`` wants a buffer object per destination, so a
 large load would make tens of thousands of them: enough to wake the cyclic garbage collector
 during every load and, now and then, for a full collection that holds the GIL while the
-event loop waits (figures in benchmarks/README.md, "Figures behind design choices").
+event loop waits (figures in docs/performance.md, "Why the loader is built as it is").
 ``os.preadv`` remains the fallback where libc's is not reachable
 (``test_libc_preadv_is_the_path_on_linux``, ``test_property_partial_reads_through_os_preadv``).
 """
@@ -51,7 +51,7 @@ _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 102
 #: runs a read syscall to its end before another thread gets the core, so the event loop
 #: can wait as long as the longest syscall, and a large read into fresh memory takes long.
 #: Syscalls of this size give the scheduler a chance often, at no cost the benchmarks can
-#: see (figures in benchmarks/README.md). That no syscall exceeds it is pinned by
+#: see (figures in docs/performance.md). That no syscall exceeds it is pinned by
 #: ``test_calls_respect_syscall_size_and_iov_limit``.
 SYSCALL_BYTES = 1 << 20
 
@@ -385,7 +385,7 @@ class ReadFeed:
 
     Handing each read to a thread from the event loop costs a round trip per read (the
     thread idles until the loop has woken, landed the last read and queued the next): a
-    measurable share of a load from a warm page cache (benchmarks/README.md). Here a thread
+    measurable share of a load from a warm page cache (docs/performance.md). Here a thread
     calls :meth:`take` for the next read's index, reads it, and reports it to the loop
     without waiting for an answer (``test_feed_hands_each_read_out_once_across_threads``).
     The loop keeps the watch: :meth:`oldest` tells how long the longest read has been in

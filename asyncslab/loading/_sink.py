@@ -18,9 +18,9 @@ import torch
 from .._failures import first_line
 from ..errors import LoadError
 from ..planning._plan import Plan
+from ._pinned import StagingStatistics
 from ._read import Scatter
 from ._schedule import ReadOp, Schedule
-from ._pinned import StagingStatistics
 from ._tracker import Tracker
 
 __all__ = ["Files", "ReadOne", "Reads", "Sink", "TransferStrategy", "named_copy"]

@@ -20,8 +20,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 import torch
 
 from .._failures import first_line
-from ..errors import ClosedError, IncompleteLoadError, LoadError, PlanError
 from ..checkpoint._format import Checkpoint
+from ..errors import ClosedError, IncompleteLoadError, LoadError, PlanError
+from ..planning._plan import Plan
 from ._load import Health, Load, check_files, check_progress, uncancellable
 from ._options import (
     LoadOptions,
@@ -30,12 +31,11 @@ from ._options import (
     State,
     resolve_transfer,
 )
-from ..planning._plan import Plan
 from ._read import retrieve
 from ._sink import Reads, Sink
-from ._tracker import Tracker
 from ._strategy import choose
 from ._strategy_remote import reads_objects
+from ._tracker import Tracker
 
 __all__ = [
     "LoadOptions",

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from ._copy import Copier, CpuCopier, CudaCopier
-from ._strategy_direct import Direct
-from ._strategy_mapped import Mapped
 from ._options import LoadOptions, resolve_transfer
 from ._sink import TransferStrategy
+from ._strategy_direct import Direct
+from ._strategy_mapped import Mapped
 from ._strategy_remote import Remote
 from ._strategy_staged import Staged
 

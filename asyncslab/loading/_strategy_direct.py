@@ -8,9 +8,9 @@ import torch
 
 from ._copy import direct_scatters, read_direct
 from ._options import LoadOptions
+from ._pinned import StagingStatistics
 from ._schedule import schedule
 from ._sink import Files, ReadOne, Reads, Sink
-from ._pinned import StagingStatistics
 
 __all__ = ["Direct"]
 

@@ -3,7 +3,7 @@ cache, with no staging copy. Runs on I/O worker threads.
 
 A staged load copies every byte on the host (page cache -> pinned buffer) before the GPU
 copies it, so it is bounded by that host copy, which can be slower than what the GPU takes
-from pinned memory (as on the H200 host measured in benchmarks/README.md): there no staged
+from pinned memory (as on the H200 host measured in docs/performance.md): there no staged
 load can reach the GPU's bandwidth. Here each shard is mapped read-only, and each read's
 pages are registered with CUDA (``cudaHostRegisterReadOnly``: pinned where they lie in the
 page cache), copied from by DMA, and unregistered once the copies completed. Pinned at any
@@ -34,13 +34,13 @@ from typing import Protocol
 
 import torch
 
-from ._copy import Copier
 from .._failures import first_line
 from ..errors import CudaError, ReadError
+from ._copy import Copier
 from ._options import LoadOptions
+from ._pinned import StagingStatistics
 from ._schedule import ReadOp, windows
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
-from ._pinned import StagingStatistics
 
 __all__ = [
     "PAGE",

@@ -8,9 +8,9 @@ import torch
 
 from ._copy import Copier, read_staged
 from ._options import LoadOptions
+from ._pinned import StagingBuffers, StagingStatistics, staging_budget
 from ._schedule import schedule
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
-from ._pinned import StagingBuffers, StagingStatistics, staging_budget
 
 __all__ = ["Staged", "staging_buffer"]
 

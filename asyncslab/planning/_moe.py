@@ -21,6 +21,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
+from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ..errors import (
     CoverageError,
     DtypeMismatchError,
@@ -29,7 +30,6 @@ from ..errors import (
     TierMapError,
     UnmatchedTensorError,
 )
-from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ._vocabulary import (
     FILE,
     NAME,

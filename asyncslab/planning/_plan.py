@@ -1,7 +1,8 @@
 """Stage 2 of the data flow: where every tensor goes, decided and checked before any I/O.
 
-A plan is pure data. Rules (see :mod:`asyncslab.planning._rules` and :mod:`asyncslab.planning._moe`) claim
-checkpoint tensors and say which slab and slot each one lands in; :func:`plan` then checks
+A plan is pure data. Rules (see :mod:`asyncslab.planning._rules` and
+:mod:`asyncslab.planning._moe`) claim checkpoint tensors and say which slab and slot each one
+lands in; :func:`plan` then checks
 the whole result — every slot covered exactly once, every dtype equal to the slab's (which
 comes from a schema, never from the first tensor seen), every shape equal to the slot's —
 and raises before a byte of payload is read.
@@ -24,6 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from ..checkpoint._format import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
 from ..errors import (
     CoverageError,
     DtypeMismatchError,
@@ -31,7 +33,6 @@ from ..errors import (
     ShapeMismatchError,
     UnmatchedTensorError,
 )
-from ..checkpoint._format import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
 from ._vocabulary import (
     DST_OFFSET,
     DTYPE,
@@ -171,7 +172,7 @@ def plan(
     """
     # Routes, specs and their tuples are many small objects, none cyclic: the cyclic
     # collector would walk them again and again and free nothing (as when opening, see
-    # _format; figures in benchmarks/README.md). The caller's setting comes back, also on
+    # _format; figures in docs/performance.md). The caller's setting comes back, also on
     # failure (test_planning_pauses_the_cyclic_collector_and_restores_it).
     with gc_paused():
         return _plan(checkpoint, rules, ignore, unmatched, tier_map, rank)

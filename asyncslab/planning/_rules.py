@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CoverageError, DtypeMismatchError, PlanError
 from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
+from ..errors import CoverageError, DtypeMismatchError, PlanError
 from ._vocabulary import (
     DTYPE,
     FILE,

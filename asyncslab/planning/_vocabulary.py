@@ -18,8 +18,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..errors import PlanError
 from ..checkpoint._format import Checkpoint, TensorInfo
+from ..errors import PlanError
 
 # Column getters, shared by the planner and the rules: a plan of 300,000 routes is checked
 # and built a column at a time (map over attrgetters), not a route at a time.

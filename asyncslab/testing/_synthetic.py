@@ -55,7 +55,7 @@ _DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Above this size random fill (torch's samplers, far slower than writing the files)
 # becomes the bottleneck, so spec_for_size switches to the pattern fill (rates in
-# benchmarks/README.md).
+# docs/performance.md).
 _PATTERN_ABOVE = 256 * _MiB
 # Largest file spec_for_size aims for, so multi-GB checkpoints are written (and
 # held in memory) one ~1 GiB shard at a time.

@@ -98,7 +98,7 @@ def verify_slabs(
     mismatches: list[str] = []
     details: list[str] = []
     # Most tensors are a few KiB to a few MiB: waking a pool of threads for each
-    # comparison costs more than the comparison itself (figures in benchmarks/README.md).
+    # comparison costs more than the comparison itself (figures in docs/performance.md).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

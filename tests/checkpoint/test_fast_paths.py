@@ -38,9 +38,9 @@ from asyncslab import (
 from asyncslab.checkpoint._format import frozen_columns
 from asyncslab.checkpoint._header import _ITEMSIZE, _parse_compact, _parse_general
 from asyncslab.checkpoint._index import _parse_index, _weight_map_compact
+from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
 from asyncslab.planning._plan import _valid, _validate
 from asyncslab.planning._vocabulary import Route, make_route, unit_of_layer
-from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
 from asyncslab.rules import Claim, SlabSpec
 from asyncslab.testing import SyntheticSpec, write_synthetic
 

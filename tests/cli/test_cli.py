@@ -29,11 +29,10 @@ import torch
 
 import asyncslab
 from asyncslab.cli import _main as _cli
-from asyncslab.testing import _verify
 from asyncslab.cli._main import main, parse_size
 from asyncslab.cli._progress import ProgressBar, format_bytes, format_duration, format_table
 from asyncslab.rules import Route
-from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, _verify, write_synthetic
 
 # --------------------------------------------------------------------------- fixtures
 

@@ -38,11 +38,11 @@ from asyncslab import (
     load,
     plan,
 )
-from asyncslab.loading import _load
-from asyncslab.loading import _strategy_staged as _staged
-from asyncslab.loading import _read as read_module
-from asyncslab.loading._read import pread_scatter, scatter
 from asyncslab.errors import ReadError
+from asyncslab.loading import _load
+from asyncslab.loading import _read as read_module
+from asyncslab.loading import _strategy_staged as _staged
+from asyncslab.loading._read import pread_scatter, scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (
     CANCEL_MODES,

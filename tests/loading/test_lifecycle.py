@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
-from asyncslab.loading import _copy as copy_module
 from asyncslab.checkpoint._format import gc_paused
+from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (

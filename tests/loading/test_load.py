@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
-from asyncslab.loading import _copy as copy_module
 from asyncslab.checkpoint._format import gc_paused
-from asyncslab.loading._read import Scatter, pread_scatter, scatter
 from asyncslab.errors import ReadError
+from asyncslab.loading import _copy as copy_module
+from asyncslab.loading._read import Scatter, pread_scatter, scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (
     HANG_S,

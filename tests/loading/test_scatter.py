@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
+from asyncslab.errors import ReadError
 from asyncslab.loading import _read as read_module
 from asyncslab.loading._read import ReadFeed, pread_scatter, scatter
-from asyncslab.errors import ReadError
 from asyncslab.testing import SyntheticCheckpoint
 from tests.helpers import HANG_S
 

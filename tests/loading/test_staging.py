@@ -7,7 +7,12 @@ import threading
 import pytest
 import torch
 
-from asyncslab.loading._pinned import StagingBuffers, StagingStatistics, pinned_bytes, staging_budget
+from asyncslab.loading._pinned import (
+    StagingBuffers,
+    StagingStatistics,
+    pinned_bytes,
+    staging_budget,
+)
 
 
 def test_staging_buffers_one_per_thread_made_when_first_used() -> None:

@@ -35,12 +35,6 @@ from asyncslab import (
     load_tier_map,
     plan,
 )
-from asyncslab.testing._synthetic import (
-    SyntheticCheckpoint,
-    SyntheticSpec,
-    expected_tensors,
-    write_synthetic,
-)
 from asyncslab.errors import (
     CoverageError,
     DtypeMismatchError,
@@ -50,6 +44,12 @@ from asyncslab.errors import (
     UnmatchedTensorError,
 )
 from asyncslab.rules import Claim, SlabSpec, make_route
+from asyncslab.testing._synthetic import (
+    SyntheticCheckpoint,
+    SyntheticSpec,
+    expected_tensors,
+    write_synthetic,
+)
 
 PROJS = ("gate_proj", "up_proj", "down_proj")
 SCALES = ("trellis", "suh", "svh")

@@ -496,7 +496,7 @@ class _Runner:
             # A contender that just exited freed GBs; on a VM the kernel then hands those
             # pages back to the hypervisor in batches, and page allocation stalls meanwhile:
             # without the pause, the next contender would pay for the previous one's memory
-            # (figures in benchmarks/README.md, under --settle).
+            # (figures in docs/performance.md, under --settle).
             time.sleep(self.args.settle)
         need = nbytes * MEMORY_FACTOR.get(contender, 1.0)
         available = _meminfo().get("MemAvailable")
@@ -888,7 +888,8 @@ def _selected(args: argparse.Namespace, universe: Sequence[str]) -> list[str]:
 def _run_order(active: Sequence[str], run: int) -> list[str]:
     """The order of run ``run`` (from 0): bound-N right after asyncslab, the pair the
     headline ratio compares, and every other run reversed, so that the machine's drift over a run
-    (large on a shared VM: benchmarks/README.md) favours neither side of a ratio."""
+    (large on a shared VM: the audit linked from benchmarks/README.md) favours neither side of
+    a ratio."""
     order = [c for c in active if c != "bound-N"]
     if "bound-N" in active:
         at = order.index("asyncslab") + 1 if "asyncslab" in order else len(order)
