@@ -34,6 +34,7 @@ from ..errors import CheckpointError
 from ..loading._slabs import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
 from ._stream import stream_tensors
+from ._vllm_object_store import install, object_weights, open_checkpoint
 
 __all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
 
@@ -47,6 +48,9 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts
     (the loader is looked up in the worker, not in the process the user started)."""
     register_model_loader(LOAD_FORMAT)(AsyncSlabLoader)
+    # Object-storage models (s3://...): vLLM pulls their config with Run:ai's client and
+    # lets only Run:ai's formats read them, unless this format's hooks are in place.
+    install(LOAD_FORMAT)
 
 
 def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
@@ -117,7 +121,8 @@ class AsyncSlabLoader(BaseModelLoader):
         self.report: LoadReport | None = None
 
     def download_model(self, model_config: Any) -> None:
-        self._files.download_model(model_config)
+        if object_weights(model_config) is None:  # objects are read where they are
+            self._files.download_model(model_config)
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         # The collector paused: what the load allocates holds no cycle that must go before
@@ -167,6 +172,9 @@ class AsyncSlabLoader(BaseModelLoader):
     def _checkpoint(self, model: nn.Module, model_config: Any) -> tuple[Checkpoint, dict[str, str]]:
         """The safetensors files vLLM would read, as one checkpoint, and the names vLLM
         knows each tensor by (a source's prefix added) -> checkpoint names."""
+        uri = object_weights(model_config)
+        if uri is not None:
+            return open_checkpoint(uri, model)
         sources = [
             DefaultModelLoader.Source(
                 model_config.model,
