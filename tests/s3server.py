@@ -10,7 +10,10 @@ connection (it asks both sides to close after each), and applies the :class:`Fau
 queued for a matching request: a body cut after some bytes, a response that stalls, or a
 hook run before the request is forwarded (an object replaced between two requests). It runs
 its own event loop on a thread, so that the loop of the test (and the blocking calls of
-``Checkpoint.open``) never wait for it.
+``Checkpoint.open``) never wait for it. Given ``latency_s`` and ``rate`` it also emulates a
+remote link (``benchmarks/s3_bench.py``): each request waits ``latency_s`` before it is
+forwarded, and each response goes out at ``rate`` bytes per second at most; the proxy keeps
+one request per connection, so that is a cap per connection, as one S3 connection has.
 """
 
 from __future__ import annotations
@@ -215,9 +218,11 @@ class Fault:
 class FaultProxy:
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, rate: float | None = None) -> None:
         host, _, port = upstream.removeprefix("http://").partition(":")
         self._upstream = (host, int(port))
+        self.latency_s = latency_s  # added to every request (a round trip of a distant link)
+        self.rate = rate  # bytes/s of one response, at most (None: as fast as it goes)
         self.faults: list[Fault] = []
         self.requests: list[Request] = []
         self.open_connections = 0
@@ -304,6 +309,8 @@ class FaultProxy:
         body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
         path, _, query = target.partition("?")
         request = Request(method, path, query, headers)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         fault = self._fault_for(request)
         if fault is not None and fault.kind == "status":
             reply = f"HTTP/1.1 {fault.status} Refused\r\nContent-Length: 0\r\n"
@@ -332,8 +339,7 @@ class FaultProxy:
         head_out = "\r\n".join([*head_lines[:-2], "Connection: close", "", ""]).encode("latin-1")
         payload = response[split:]
         if fault is None or fault.kind in ("before", "etag"):
-            writer.write(head_out + payload)
-            await writer.drain()
+            await self._send(writer, head_out + payload)
             return
         writer.write(head_out + payload[: fault.after])
         await writer.drain()
@@ -341,6 +347,28 @@ class FaultProxy:
             # A threading.Event (set from the test's thread): no asyncio.Event can report it.
             while not self._released.is_set() and not reader.at_eof():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
+
+    async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
+        """``data`` to the client, no faster than :attr:`rate` when one is set."""
+        if self.rate is None:
+            writer.write(data)
+            await writer.drain()
+            return
+        view = memoryview(data)
+        began = time.monotonic()
+        for at in range(0, len(view), _PACE_BYTES):
+            end = min(len(view), at + _PACE_BYTES)
+            writer.write(view[at:end])
+            await writer.drain()
+            # Sleep off what this connection sent ahead of its rate (paced per chunk: the
+            # loop's timers are ~1 ms apart, a chunk at 100 MB/s is 2.6 ms).
+            ahead = began + end / self.rate - time.monotonic()
+            if ahead > 0:
+                await asyncio.sleep(ahead)
+
+
+#: Bytes a rate-capped response is written in between two waits.
+_PACE_BYTES = 256 << 10
 
 
 def iter_keys(store: Any, prefix: str) -> Iterator[str]:
