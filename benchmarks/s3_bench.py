@@ -1,0 +1,452 @@
+"""Loads from S3 side by side: asyncslab, runai-model-streamer and a raw bound, then vLLM's
+load formats, from a local SeaweedFS and through an emulated remote link.
+
+    pip install -e '.[test]' runai-model-streamer-s3
+    python benchmarks/s3_bench.py [--rounds 3] [--models mixtral,exl3] [--links local,remote]
+        [--contenders ...] [--exl3-size 3GiB] [--json OUT] [--quick]
+
+Starts SeaweedFS on 127.0.0.1 (``tests/s3server.py``, as the tests do) and uploads two
+checkpoints: the 1.47 GB Mixtral-like bfloat16 model of ``benchmarks/vllm_bench.py`` and a
+3 GiB EXL3-like one (``asyncslab bench``'s synthetic checkpoint). Both are written once into
+``--workdir`` and reused. Every load runs in a fresh process, rounds interleaved (the order
+reversed every other round):
+
+- library (every model): ``asyncslab.load`` from ``s3://`` into CPU memory with the default
+  ``LoadOptions`` (``asyncslab bench``'s worker, its clock after opening and planning, which
+  is reported beside it); runai-model-streamer's ``SafetensorsStreamer`` on the same objects
+  with its defaults, each tensor copied into its slot (the worker's peer adapter; its clock
+  includes its own header reads); the raw bound: the same ranged GETs with obstore, same
+  request size and concurrency, into one preallocated buffer, no bookkeeping
+  (``benchmarks/object_store_bench.py``'s);
+- in vLLM (the Mixtral-like model): ``load_format`` ``asyncslab`` and ``runai_streamer`` with
+  ``model="s3://..."``, ``load_weights`` timed (``benchmarks/vllm_bench.py``'s child);
+  ``asyncslab`` there is reported "not available" until vLLM + asyncslab take ``s3://``;
+- links: ``local`` is the server itself; ``remote`` goes through the tests' proxy adding
+  ``--latency-ms`` (20) to each request and capping each connection at ``--link-mbps``
+  (100 MB/s), as one S3 connection over a distant link gives: there, concurrency decides.
+
+Prints one table per link (median seconds and range over rounds, GB/s, median peak RSS
+growth of the load), and the targets, never asserted: asyncslab within 1.1x of the raw
+bound; at least 3x faster than ``runai_streamer`` in vLLM; asyncslab's peak RSS growth at
+most parameters + the in-flight budget (request size x concurrency) + 64 MiB. ``--quick``
+uses small models (a smoke test); ``--json OUT`` writes every run and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the tests' server and the other benchmarks, imported below
+
+from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload  # noqa: E402
+
+MiB = 1 << 20
+BUCKET = "models"
+LIBRARY = ("asyncslab", "runai-model-streamer", "raw-bound")
+VLLM = ("vllm:asyncslab", "vllm:runai_streamer")
+CONTENDERS = (*LIBRARY, *VLLM)
+MODELS = ("mixtral", "exl3")
+LINKS = ("local", "remote")
+#: Where vLLM + asyncslab is to accept s3:// (issue 30, item 6); until then its row says so.
+VLLM_OBJECT_STORE_MODULE = "asyncslab.engines._vllm_object_store"
+#: The quick mode's Mixtral-like model: the same architecture, a few MB.
+QUICK_MIXTRAL: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 1000,
+}
+RESULT = "@@s3-bench@@ "
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def write_models(
+    workdir: Path, models: Sequence[str], quick: bool, exl3_size: int
+) -> dict[str, Path]:
+    """Each selected model's local directory, written on first use and reused after."""
+    out: dict[str, Path] = {}
+    if "mixtral" in models:
+        target = workdir / ("mixtral-quick" if quick else "mixtral-bench")
+        if not (target / "config.json").exists():
+            from benchmarks.vllm_bench import BENCH_MODEL
+            from tests.engines.vllm_models import write_model
+
+            print(f"writing the Mixtral-like model into {target} ...", flush=True)
+            # As vllm_bench.py writes it (its BENCH_MODEL, 4 shards requested).
+            write_model(target, "mixtral", shards=4, **(QUICK_MIXTRAL if quick else BENCH_MODEL))
+        out["mixtral"] = target
+    if "exl3" in models:
+        from asyncslab.cli._bench.runner import _generate
+
+        size = 24 * MiB if quick else exl3_size
+        print(f"EXL3-like checkpoint of {size / 2**30:.2f} GiB ...", flush=True)
+        out["exl3"], _ = _generate(workdir, size)  # asyncslab bench's own, reused if there
+    return out
+
+
+def payload_bytes(directory: Path) -> int:
+    import asyncslab
+
+    return int(asyncslab.plan(asyncslab.Checkpoint.open(directory)).nbytes)
+
+
+# --------------------------------------------------------------------------- the links
+
+
+@dataclass(frozen=True)
+class Link:
+    name: str
+    endpoint: str
+
+
+@contextmanager
+def serving(
+    models: dict[str, Path], links: Sequence[str], latency_s: float, rate: float
+) -> Iterator[dict[str, Link]]:
+    """SeaweedFS with every model uploaded (``s3://models/NAME``), and the links to it."""
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="s3-bench-")))
+        server = SeaweedServer(tmp)
+        server.start()
+        stack.callback(server.stop)
+        for name, directory in models.items():
+            began = time.perf_counter()
+            upload(server.store(BUCKET), name, directory)
+            print(f"uploaded {name} in {time.perf_counter() - began:.1f} s", flush=True)
+        out = {}
+        if "local" in links:
+            out["local"] = Link("local", server.endpoint)
+        if "remote" in links:
+            proxy = stack.enter_context(FaultProxy(server.endpoint, latency_s=latency_s, rate=rate))
+            out["remote"] = Link("remote", proxy.endpoint)
+        yield out
+
+
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The environment every contender reads its endpoint and credentials from: the AWS
+    conventions (asyncslab, obstore and runai-model-streamer all take them), path-style."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+    }
+
+
+# --------------------------------------------------------------------------- children
+
+
+def missing(contender: str) -> str | None:
+    """Why ``contender`` cannot run here, or None."""
+    if "runai" in contender and importlib.util.find_spec("runai_model_streamer_s3") is None:
+        return "not available: pip install runai-model-streamer-s3"
+    if contender.startswith("vllm:") and importlib.util.find_spec("vllm") is None:
+        return "not available: vLLM is not installed"
+    if contender == "vllm:asyncslab" and importlib.util.find_spec(VLLM_OBJECT_STORE_MODULE) is None:
+        return "not available: vLLM + asyncslab does not take s3:// yet"
+    return None
+
+
+def child(contender: str, uri: str, link: Link) -> dict[str, Any]:
+    """One load of ``uri`` by ``contender`` in a fresh process."""
+    env = dict(os.environ, **s3_env(link.endpoint))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if contender in ("asyncslab", "runai-model-streamer"):
+        from asyncslab.cli._bench.worker import RESULT_MARK
+
+        task = {"contender": contender, "checkpoint": uri, "mode": "warm-fresh", "verify": 0}
+        command = [sys.executable, "-m", "asyncslab.cli._bench.worker", json.dumps(task)]
+        mark = RESULT_MARK
+    else:
+        command = [sys.executable, __file__, "--child", contender, "--uri", uri]
+        mark = RESULT
+        if contender.startswith("vllm:"):
+            # As vllm_bench.py runs its children: a small KV cache, quiet logs.
+            env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    line = next((x for x in reversed(run.stdout.splitlines()) if x.startswith(mark)), None)
+    if run.returncode != 0 or line is None:
+        tail = (run.stderr or run.stdout).strip().splitlines()
+        return {"error": f"exit {run.returncode}: {tail[-1] if tail else 'no output'}"}
+    result: dict[str, Any] = json.loads(line[len(mark) :])
+    for bulky in ("lag_samples_ms", "idle_lag_samples_ms"):  # the worker's, per 1 ms tick
+        result.pop(bulky, None)
+    if "error" in result:
+        result["error"] = str(result["error"]).splitlines()[0]
+    return result
+
+
+def child_raw(uri: str) -> dict[str, Any]:
+    """The raw bound: object_store_bench.py's ranged GETs into one buffer, with asyncslab's
+    default request size and concurrency; peak RSS growth as the worker measures it."""
+    import asyncio
+
+    import asyncslab
+    from asyncslab.cli._bench.worker import Timed
+    from benchmarks.object_store_bench import raw_bound
+
+    ckpt = asyncslab.Checkpoint.open(uri)
+    options = asyncslab.LoadOptions()
+    timed = Timed()
+    timed.start()
+    seconds = asyncio.run(raw_bound(ckpt, options.request_size, options.request_concurrency))
+    timed.stop()
+    rec = timed.record()
+    rec["seconds"] = seconds  # raw_bound's own clock: after its buffer and ranges are made
+    rec["bytes"] = sum(f.size - f.data_start for f in ckpt.files)
+    return rec
+
+
+def child_vllm(contender: str, uri: str) -> dict[str, Any]:
+    """vllm_bench.py's child: ``create_model``, then ``load_weights`` timed, from ``uri``."""
+    from benchmarks.vllm_bench import child_load
+
+    rec = child_load(uri, contender.removeprefix("vllm:"), "cpu")
+    rec["seconds"] = rec["load_weights_s"]
+    rec["peak_growth"] = rec["peak_rss_growth"]
+    rec["bytes"] = rec["param_bytes"]
+    return rec
+
+
+# --------------------------------------------------------------------------- the summary
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (link, model, contender): medians and ranges over the rounds."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for run in runs:
+        key = (run["link"], run["model"], run["contender"])
+        row = rows.setdefault(key, {"link": key[0], "model": key[1], "contender": key[2]})
+        row.setdefault("records", []).append(run["result"])
+    out = []
+    for row in rows.values():
+        records = row.pop("records")
+        good = [r for r in records if "seconds" in r and "error" not in r]
+        if not good:
+            first = records[0]
+            row["status"] = first.get("unavailable") or f"failed: {first.get('error', '?')}"
+            out.append(row)
+            continue
+        times = [r["seconds"] for r in good]
+        row.update(
+            status="ok",
+            rounds=len(good),
+            failed=len(records) - len(good),
+            median_s=statistics.median(times),
+            min_s=min(times),
+            max_s=max(times),
+            bytes=good[0]["bytes"],
+            peak_growth=_median([r["peak_growth"] for r in good]),
+            open_plan_s=_median([r["plan_s"] for r in good if "plan_s" in r]),
+            checksums=sorted({r["checksum"] for r in good if "checksum" in r}),
+        )
+        out.append(row)
+    return out
+
+
+def _paired(runs: list[dict[str, Any]], link: str, model: str, num: str, den: str) -> float | None:
+    """The median over rounds of ``num``'s time over ``den``'s in the same round."""
+    by: dict[tuple[int, str], float] = {}
+    for run in runs:
+        if run["link"] == link and run["model"] == model and "seconds" in run["result"]:
+            if "error" not in run["result"]:
+                by[(run["round"], run["contender"])] = run["result"]["seconds"]
+    ratios = [by[(r, num)] / by[(r, den)] for r, c in by if c == den and (r, num) in by]
+    return _median(ratios)
+
+
+def table(rows: list[dict[str, Any]], link: str) -> list[str]:
+    lines = [
+        "| model | contender | load s (range) | GB/s | peak RSS growth | asyncslab open+plan |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        if row["link"] != link:
+            continue
+        if row["status"] != "ok":
+            lines.append(f"| {row['model']} | {row['contender']} | {row['status']} | | | |")
+            continue
+        plan = "" if row["open_plan_s"] is None else f"{row['open_plan_s']:.2f} s"
+        failed = f", {row['failed']} failed" if row["failed"] else ""
+        lines.append(
+            f"| {row['model']} | {row['contender']} | {row['median_s']:.2f} s "
+            f"({row['min_s']:.2f}-{row['max_s']:.2f}{failed}) "
+            f"| {row['bytes'] / row['median_s'] / 1e9:.2f} "
+            f"| {row['peak_growth'] / MiB:,.0f} MiB | {plan} |"
+        )
+    return lines
+
+
+def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]:
+    """The targets, judged per link and model: ``PASS``, ``MISS`` or ``n/a``."""
+    import asyncslab
+
+    options = asyncslab.LoadOptions()
+    budget = options.request_size * options.request_concurrency
+    by = {(r["link"], r["model"], r["contender"]): r for r in rows if r["status"] == "ok"}
+    lines = ["targets (measured vs goal; never asserted):"]
+    for link in dict.fromkeys(r["link"] for r in rows):
+        for model in dict.fromkeys(r["model"] for r in rows if r["link"] == link):
+            where = f"{link}, {model}"
+            ratio = _paired(runs, link, model, "asyncslab", "raw-bound")
+            lines.append(_verdict(f"{where}: asyncslab / raw bound", ratio, 1.1, below=True))
+            for contender in ("asyncslab", "vllm:asyncslab"):
+                row = by.get((link, model, contender))
+                if row is None:
+                    continue
+                goal = row["bytes"] + budget + 64 * MiB
+                lines.append(
+                    _verdict(
+                        f"{where}: {contender} peak RSS growth, MiB",
+                        row["peak_growth"] / MiB,
+                        goal / MiB,
+                        below=True,
+                    )
+                )
+            if model == "mixtral" and any(r["contender"].startswith("vllm:") for r in rows):
+                speedup = _paired(runs, link, model, "vllm:runai_streamer", "vllm:asyncslab")
+                lines.append(
+                    _verdict(f"{where}: vLLM runai_streamer / asyncslab", speedup, 3.0, below=False)
+                )
+                sums = {
+                    c: by[(link, model, c)]["checksums"] for c in VLLM if (link, model, c) in by
+                }
+                if len(sums) > 1:
+                    same = len({tuple(v) for v in sums.values()}) == 1
+                    lines.append(
+                        f"info  {where}: vLLM parameter checksums {'equal' if same else sums}"
+                    )
+    return lines
+
+
+def _verdict(label: str, value: float | None, goal: float, *, below: bool) -> str:
+    sign = "<=" if below else ">="
+    if value is None:
+        return f"n/a   {label}: not measured (goal {sign} {goal:,.2f})"
+    met = value <= goal if below else value >= goal
+    return f"{'PASS' if met else 'MISS'}  {label}: {value:,.2f} (goal {sign} {goal:,.2f})"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    from asyncslab.cli._main import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--models", default=",".join(MODELS), help="of: " + ", ".join(MODELS))
+    ap.add_argument("--links", default=",".join(LINKS), help="of: " + ", ".join(LINKS))
+    ap.add_argument(
+        "--contenders", default=",".join(CONTENDERS), help="of: " + ", ".join(CONTENDERS)
+    )
+    ap.add_argument("--exl3-size", type=parse_size, default=3 << 30)
+    ap.add_argument("--latency-ms", type=float, default=20.0, help="the remote link's, per request")
+    ap.add_argument(
+        "--link-mbps", type=float, default=100.0, help="the remote link's MB/s per connection"
+    )
+    ap.add_argument("--quick", action="store_true", help="small models: a smoke test")
+    ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-s3-bench"))
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--uri", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    for name, universe in (("models", MODELS), ("links", LINKS), ("contenders", CONTENDERS)):
+        chosen = [x for x in getattr(args, name).split(",") if x]
+        unknown = set(chosen) - set(universe)
+        if unknown:
+            ap.error(f"--{name}: unknown {', '.join(sorted(unknown))}")
+        setattr(args, name, chosen)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.child:
+        rec = child_raw(args.uri) if args.child == "raw-bound" else child_vllm(args.child, args.uri)
+        print(RESULT + json.dumps(rec), flush=True)
+        return 0
+    workdir = Path(args.workdir)
+    models = write_models(workdir, args.models, args.quick, args.exl3_size)
+    sizes = {name: payload_bytes(path) for name, path in models.items()}
+    runs: list[dict[str, Any]] = []
+    with serving(models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6) as links:
+        jobs = [
+            (link, model, contender)
+            for link in links
+            for model in models
+            for contender in args.contenders
+            if model == "mixtral" or contender in LIBRARY  # vLLM loads the Mixtral-like only
+        ]
+        print(
+            f"s3_bench: {', '.join(f'{m} {sizes[m] / 1e9:.3f} GB' for m in models)}; links "
+            f"{', '.join(links)} (remote: +{args.latency_ms:g} ms a request, "
+            f"{args.link_mbps:g} MB/s a connection); {args.rounds} rounds; {os.cpu_count()} CPUs",
+            flush=True,
+        )
+        for r in range(args.rounds):
+            for link, model, contender in jobs if r % 2 == 0 else jobs[::-1]:
+                why = missing(contender)
+                result = (
+                    {"unavailable": why}
+                    if why
+                    else child(contender, f"s3://{BUCKET}/{model}", links[link])
+                )
+                runs.append(
+                    {
+                        "round": r,
+                        "link": link,
+                        "model": model,
+                        "contender": contender,
+                        "result": result,
+                    }
+                )
+                shown = why or result.get("error") or f"{result['seconds']:.3f} s"
+                print(f"  round {r + 1} {link} {model} {contender}: {shown}", flush=True)
+    rows = summarise(runs)
+    lines = []
+    for link in links:
+        extra = (
+            ""
+            if link == "local"
+            else f" (+{args.latency_ms:g} ms, {args.link_mbps:g} MB/s a connection)"
+        )
+        lines += ["", f"link {link}{extra}:", "", *table(rows, link)]
+    lines += ["", *targets(rows, runs)]
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"sizes": sizes, "rows": rows, "runs": runs}, indent=1) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

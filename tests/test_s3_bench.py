@@ -1,0 +1,85 @@
+"""``benchmarks/s3_bench.py``: the emulated remote link it runs through (the tests' proxy
+with a latency and a rate per connection), and its quick mode end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.s3server import FaultProxy, SeaweedServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _store(server: SeaweedServer, endpoint: str) -> Any:
+    from obstore.store import S3Store
+
+    options: Any = server.options(endpoint)
+    return S3Store("models", config=options, client_options={"allow_http": True})
+
+
+def test_the_proxy_adds_its_latency_and_caps_the_rate(s3_server: SeaweedServer) -> None:
+    """Each request waits ``latency_s``; a response goes out at ``rate`` at most. Bounds from
+    below only (a busy machine only makes it slower)."""
+    import obstore
+
+    key = "shaping/blob"
+    obstore.put(s3_server.store(), key, bytes(600_000))
+    with FaultProxy(s3_server.endpoint, latency_s=0.2) as proxy:
+        store = _store(s3_server, proxy.endpoint)
+        began = time.perf_counter()
+        obstore.get_range(store, key, start=0, length=10)
+        assert time.perf_counter() - began >= 0.2
+    with FaultProxy(s3_server.endpoint, rate=1e6) as proxy:
+        store = _store(s3_server, proxy.endpoint)
+        began = time.perf_counter()
+        data = obstore.get(store, key).bytes()
+        elapsed = time.perf_counter() - began
+    assert len(data) == 600_000
+    assert elapsed >= 0.5  # 600 kB at 1 MB/s, less the first chunk, sent at once
+
+
+@pytest.mark.slow
+def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
+    """Every (link, model, contender) gets a row with a time, or says it is not available
+    (a peer or vLLM not installed); none failed; the tables and the targets are printed."""
+    out = tmp_path / "run.json"
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "s3_bench.py"),
+        "--quick",
+        "--rounds",
+        "1",
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(out),
+    ]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    seen = {(r["link"], r["model"], r["contender"]): r for r in rows}
+    library = ("asyncslab", "runai-model-streamer", "raw-bound")
+    expected = {
+        (link, model, contender)
+        for link in ("local", "remote")
+        for model in ("mixtral", "exl3")
+        for contender in library
+        + (("vllm:asyncslab", "vllm:runai_streamer") if model == "mixtral" else ())
+    }
+    assert set(seen) == expected
+    for key, row in seen.items():
+        assert row["status"] == "ok" or row["status"].startswith("not available"), (key, row)
+    for contender in ("asyncslab", "raw-bound"):  # no peer needed: these always run
+        assert seen[("local", "exl3", contender)]["status"] == "ok"
+        assert seen[("remote", "exl3", contender)]["median_s"] > 0
+    for link in ("local", "remote"):
+        assert f"link {link}" in run.stdout
+    assert "targets (measured vs goal; never asserted):" in run.stdout
+    assert "asyncslab / raw bound" in run.stdout
