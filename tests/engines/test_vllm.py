@@ -501,6 +501,33 @@ def _log_excerpt(log: Path) -> str:
     return head + text[-8000:]
 
 
+def _wait_healthy(server: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Until the server on ``port`` answers ``/health`` (asserted, with its log, if it
+    exits or takes ten minutes)."""
+    import httpx
+
+    deadline = time.monotonic() + 600
+    healthy = False
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            pass
+        if healthy:
+            break
+        time.sleep(0.5)  # polling a process we do not control; the deadline bounds it
+    assert healthy, _log_excerpt(log)
+
+
+def _stop(server: subprocess.Popen[bytes]) -> None:
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
 def test_the_openai_server_loads_with_it_and_answers(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -509,17 +536,7 @@ def test_the_openai_server_loads_with_it_and_answers(
     port, log = _free_port(), tmp_path / "server.log"
     server = _serve(models["mixtral"], port, log)
     try:
-        deadline = time.monotonic() + 600
-        healthy = False
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                pass
-            if healthy:
-                break
-            time.sleep(0.5)  # polling a process we do not control; the deadline bounds it
-        assert healthy, _log_excerpt(log)
+        _wait_healthy(server, port, log)
         reply = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json={"model": str(models["mixtral"]), "prompt": "w1 w2 w3", "max_tokens": 4,
@@ -529,12 +546,7 @@ def test_the_openai_server_loads_with_it_and_answers(
         assert reply.status_code == 200, reply.text + "\n" + _log_excerpt(log)
         assert reply.json()["usage"]["completion_tokens"] == 4
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        _stop(server)
     text = log.read_text()
     assert "asyncslab loaded" in text
     assert "into" in text
