@@ -111,7 +111,7 @@ def _pulling(original: F, load_format: str) -> F:
             if self.tokenizer is None or self.tokenizer == uri:
                 self.tokenizer = local
             elif is_object_uri(self.tokenizer):
-                self.tokenizer = str(pull_config(self.tokenizer))
+                self.tokenizer = str(pull_config(self.tokenizer, need_config=False))
             # Served under the URI, as vLLM names a model it pulled itself (its
             # ModelConfig takes the name before pulling).
             if self.served_model_name is None:
@@ -143,10 +143,11 @@ def _verifying(original: F, load_format: str) -> F:
     return try_verify_and_update_config  # type: ignore[return-value]
 
 
-def pull_config(uri: str) -> Path:
+def pull_config(uri: str, *, need_config: bool = True) -> Path:
     """Every object under ``uri`` but the weights (config, tokenizer, generation config,
     chat template, code), in a local directory under vLLM's assets cache, as vLLM's own
-    pull lays them out; the directory.
+    pull lays them out; the directory. ``need_config``: refuse a prefix without
+    ``config.json`` (a tokenizer's prefix may have none).
 
     Named by the URI, the endpoint and every object's ETag: a changed bucket gets a
     directory of its own, an unchanged one the same, pulled once (the objects go to a
@@ -165,7 +166,7 @@ def pull_config(uri: str) -> Path:
         for key, meta in sorted(metas.items())
         if not key.endswith("/") and not key.endswith(WEIGHT_SUFFIXES)
     }
-    if not any(_relative(key, prefix, uri) == "config.json" for key in wanted):
+    if need_config and not any(_relative(k, prefix, uri) == "config.json" for k in wanted):
         raise MissingFileError(
             f"no config.json under {uri}: vLLM needs the model's config beside its weights",
             file=where,

@@ -75,6 +75,10 @@ def models(s3_server: SeaweedServer, tmp_path_factory: pytest.TempPathFactory) -
     local["no-config"] = root / "no-config"
     local["no-config"].mkdir()
     shutil.copy(one / "model.safetensors", local["no-config"])
+    local["tokenizer"] = root / "tokenizer"
+    local["tokenizer"].mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(one / name, local["tokenizer"])
     store = s3_server.store()
     for name, path in local.items():
         upload(store, f"vllm/{name}", path)
@@ -88,7 +92,8 @@ def results(
     tmp = tmp_path_factory.mktemp("vllm-s3-run")
     extra = {"request_size": REQUEST_SIZE, "request_concurrency": 3, "request_retries": 1}
     cases = {
-        "guard": {"local": str(models["llama"]), "uri": f"{PREFIX}/llama"},
+        "guard": {"local": str(models["llama"]), "uri": f"{PREFIX}/llama",
+                  "tokenizer": f"{PREFIX}/tokenizer"},
         "generate": [
             {"name": "llama", "local": str(models["llama"]), "uri": f"{PREFIX}/llama",
              "extra": extra},
@@ -142,6 +147,13 @@ def test_vllm_still_needs_the_two_wrappers_and_takes_them(results: dict[str, Any
     assert config["architecture"] == "LlamaForCausalLM"
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(config["pulled"])
     assert not any(n.endswith(".safetensors") for n in config["pulled"])
+    # The same objects: the same directory, pulled once (the llama engine below used it).
+    assert results["generate"]["llama"]["config"]["model"] == config["model"]
+    apart = guard["tokenizer_apart"]
+    assert apart["model"] == config["model"]
+    assert apart["tokenizer"] != config["model"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(apart["pulled"])
+    assert "config.json" not in apart["pulled"]
 
 
 @pytest.mark.parametrize("name", ["llama", "mixtral"])

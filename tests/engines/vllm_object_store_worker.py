@@ -7,7 +7,7 @@
 - ``guard``: a local model directory and the URI of the same model. Recorded: whether
   asyncslab's plugin wrapped vLLM's two methods, the error vLLM's own config check raises
   for the format and an object-storage ``model_weights`` without the wrapper, and the
-  config vLLM builds for the URI with it.
+  config vLLM builds for the URI with it, and with a tokenizer URI of its own.
 - ``generate``: per case, ``LLM(local, load_format="auto")`` and ``LLM(uri,
   load_format="asyncslab", model_loader_extra_config=extra)``: greedy tokens, every
   parameter's bytes and address around the loaders (``vllm_worker._watching``), and the
@@ -64,6 +64,14 @@ def guard(case: dict[str, Any]) -> dict[str, Any]:
         "load_format": config.load_config.load_format,
         "architecture": model.architecture,
         "pulled": sorted(p.name for p in Path(model.model).iterdir()),
+    }
+    # A tokenizer of its own in the bucket (a prefix with no config): pulled on its own.
+    apart = EngineArgs(model=case["uri"], tokenizer=case["tokenizer"], **common)
+    model = apart.create_engine_config().model_config
+    record["tokenizer_apart"] = {
+        "model": model.model,
+        "tokenizer": model.tokenizer,
+        "pulled": sorted(p.name for p in Path(model.tokenizer).iterdir()),
     }
     return record
 
