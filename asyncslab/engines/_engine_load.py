@@ -29,6 +29,7 @@ from ..errors import LoadError
 from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
 from ..loading._slabs import SlabSet
 from ._coverage import IntoPlan, plan_into
+from ._placement import Placement, placement
 from ._recording import capture
 from ._stream import runner, stream_tensors
 
@@ -98,6 +99,7 @@ def load_into_engine(
     *,
     options: LoadOptions | None = None,
     progress: ProgressCallback | None = None,
+    placed: Callable[[Placement], object] | None = None,
 ) -> EngineLoad:
     """Load ``checkpoint`` into ``engine``'s tensors where its own loader would put each
     byte, in place (every parameter keeps its memory), and return what was done.
@@ -106,7 +108,9 @@ def load_into_engine(
     (in a thread where this thread runs one already). Raises
     :class:`~asyncslab.errors.CaptureError` if the loader fails on the stand-ins or replaces
     a parameter's memory, :class:`~asyncslab.errors.CoverageError` (before any read) for a
-    parameter byte no tensor or two tensors write, and the load's errors."""
+    parameter byte no tensor or two tensors write, and the load's errors. ``placed`` is
+    given where each tensor the loader copies whole went (:mod:`._placement`), for a
+    reload to read into again."""
     options = options or LoadOptions()
     started = time.perf_counter()
     device = _one_device(engine.parameters)
@@ -122,6 +126,16 @@ def load_into_engine(
     )
     recorded = time.perf_counter()
     into = plan_into(checkpoint, captured, engine.parameters, names=names, optional=engine.optional)
+    if placed is not None:
+        placed(
+            placement(
+                captured,
+                checkpoint,
+                names,
+                [*engine.parameters, *engine.buffers],
+                [*into.transformed, *into.skipped],
+            )
+        )
     loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:

@@ -10,6 +10,10 @@ as any tensor keeps its storage.
 A window's memory is read into again for a later window once the consumer holds nothing of
 it: memory a process has never touched costs a page fault per page, which on a VM is most
 of what reading a window into fresh memory costs.
+
+With ``place`` (a reload: :class:`~asyncslab.engines._placement.Placer`), a tensor it
+gives a destination for is read straight into that destination and handed over as a view
+of it; the window holds only the rest.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from ..checkpoint._format import Checkpoint, TensorInfo
 from ..errors import LoadError
 from ..loading._options import LoadOptions
-from ..loading._slabs import SlabSet, slab_layout
+from ..loading._slabs import SlabSet
 from ..planning._plan import Plan, plan
 from ..planning._rules import Dense
 
@@ -72,17 +76,20 @@ def stream_tensors(
     *,
     window_bytes: int = DEFAULT_WINDOW,
     options: LoadOptions | None = None,
+    place: Place | None = None,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Every tensor of ``checkpoint`` (or those ``names``), in file order, as it is stored:
     its own dtype and shape, in host memory. A failed read raises from the iterator, naming
-    what failed; closing the iterator early stops the reads and waits for them to end."""
+    what failed; closing the iterator early stops the reads and waits for them to end.
+    ``place(name)`` may give a tensor of that dtype and shape to read it into instead (asked
+    on the reading thread, a window ahead of the consumer)."""
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"window_bytes must be a positive int, got {window_bytes!r}")
     wanted = checkpoint.tensors if names is None else {n: _info(checkpoint, n) for n in names}
     order = {f.path: i for i, f in enumerate(checkpoint.files)}
     infos = sorted(wanted.values(), key=lambda t: (order[t.file], t.offset))
     runs = windows(infos, window_bytes)
-    return _Stream(checkpoint, runs, options or LoadOptions(), window_bytes).run()
+    return _Stream(checkpoint, runs, options or LoadOptions(), window_bytes, place).run()
 
 
 def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
@@ -91,6 +98,9 @@ def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
     except KeyError:
         raise LoadError(f"no tensor {name!r} in {checkpoint.root}", tensor=name) from None
 
+
+#: A destination of a tensor's own dtype and shape for it, or None (read into a window).
+Place = Callable[[str], "torch.Tensor | None"]
 
 # What the producer hands over: a loaded window (its tensors' names, its slabs, the memory
 # they lie in), the error that ended it, or its end.
@@ -112,8 +122,10 @@ class _Stream:
         runs: list[list[TensorInfo]],
         options: LoadOptions,
         window_bytes: int,
+        place: Place | None = None,
     ) -> None:
         self._checkpoint = checkpoint
+        self._place = place
         self._runs = runs
         self._options = options
         self._window_bytes = window_bytes
@@ -167,9 +179,18 @@ class _Stream:
             pass
 
     def _memory(self, window: Plan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Memory for ``window``'s slabs, and the slabs in it: memory a window before this
-        one lay in, if the consumer holds nothing of it any more, else new memory."""
-        offsets, need, _ = slab_layout(window, torch.device("cpu"))
+        """Memory for ``window``'s slabs, and the slabs: a destination ``place`` gives, else
+        a view of memory a window before this one lay in, if the consumer holds nothing of
+        it any more, else of new memory."""
+        placed: dict[str, torch.Tensor] = {}
+        if self._place is not None:
+            for name in window.slabs:
+                destination = self._place(name)
+                if destination is not None:
+                    placed[name] = destination
+        offsets, need = _layout(
+            [(name, spec.nbytes) for name, spec in window.slabs.items() if name not in placed]
+        )
         while not self._returned.empty():
             self._free.append(self._returned.get())
         memory = None
@@ -180,13 +201,17 @@ class _Stream:
         # What the consumer still holds is its own now; the rest waits for a later window.
         self._free = [m for m in self._free if _only_here(m)][-self.depth :]
         if memory is None:
-            memory = torch.empty(max(need, self._window_bytes), dtype=torch.uint8)
+            # A window with everything placed needs none: none is made, nor kept.
+            size = max(need, self._window_bytes) if need else 0
+            memory = torch.empty(size, dtype=torch.uint8)
         slabs = {
             name: memory[offsets[name] : offsets[name] + spec.nbytes]
             .view(spec.dtype)
             .view(spec.shape)
             for name, spec in window.slabs.items()
+            if name not in placed
         }
+        slabs.update(placed)
         return memory, slabs
 
     def _stop(self) -> None:
@@ -237,6 +262,18 @@ class _Stream:
             self._items.put(None)
         except asyncio.CancelledError:
             pass  # the consumer stopped: nobody waits for an item
+
+
+def _layout(sizes: Sequence[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """Each slab's offset in one window's memory, 64-byte aligned as
+    :func:`~asyncslab.loading._slabs.slab_layout` lays slabs out, and the bytes needed."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, nbytes in sizes:
+        total = -(-total // 64) * 64
+        offsets[name] = total
+        total += nbytes
+    return offsets, total
 
 
 def _only_here(memory: torch.Tensor) -> bool:

@@ -33,8 +33,8 @@ from ..cli._progress import format_bytes
 from ..errors import CheckpointError
 from ..loading._slabs import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
-from ._stream import stream_tensors
 from ._vllm_object_store import install, object_weights, open_checkpoint
+from ._vllm_reload import reload_tensors, remember
 
 __all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
 
@@ -146,7 +146,11 @@ class AsyncSlabLoader(BaseModelLoader):
         )
         entered = time.perf_counter()
         done = load_into_engine(
-            checkpoint, engine, options=self.options, progress=_LogProgress(logger)
+            checkpoint,
+            engine,
+            options=self.options,
+            progress=_LogProgress(logger),
+            placed=lambda placement: remember(model, placement),
         )
         # vLLM's file selection counts with the recording: both come before the reads.
         before = entered - started
@@ -160,14 +164,13 @@ class AsyncSlabLoader(BaseModelLoader):
         self, model_config: Any, model: nn.Module
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor by vLLM's name, as stored, for vLLM's in-place
-        ``reload_weights``: read by asyncslab into host memory a window at a time (see
+        ``reload_weights``: the files opened and checked again; each tensor the first load
+        put whole into one parameter read straight into that parameter's bytes
+        (``_vllm_reload``), the rest read into host memory a window at a time (see
         ``_stream``), the next window read while vLLM's loaders take the current one."""
         checkpoint, names = self._checkpoint(model, model_config)
-        vllm_name = {ck: name for name, ck in names.items()}
         # Files vLLM reads hold nothing it would skip: every tensor goes to its loader.
-        tensors = stream_tensors(checkpoint, list(vllm_name), options=host(self.options))
-        for name, tensor in tensors:
-            yield vllm_name[name], tensor
+        yield from reload_tensors(checkpoint, names, model, host(self.options), logger)
 
     def _checkpoint(self, model: nn.Module, model_config: Any) -> tuple[Checkpoint, dict[str, str]]:
         """The safetensors files vLLM would read, as one checkpoint, and the names vLLM

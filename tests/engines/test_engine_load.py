@@ -17,6 +17,8 @@ from torch import nn
 
 from asyncslab import Checkpoint
 from asyncslab.engines._engine_load import Engine, load_into_engine
+from asyncslab.engines._placement import Placement, Placer
+from asyncslab.engines._stream import stream_tensors
 from asyncslab.errors import CoverageError
 
 LAYERS = 2
@@ -162,3 +164,76 @@ def test_a_missing_tensor_is_refused_naming_it_before_any_read(tmp_path: Path) -
     # Nothing was read: every byte still holds the value the engine gave it.
     assert all((layer.qkv == 9).all() and (layer.norm == 9).all() for layer in model.layers)
     assert (model.embed == 9).all()
+
+
+def _reload(model: Fused, ckpt: Checkpoint, placement: Placement) -> Placer:
+    """``model``'s loader run again on ``ckpt``'s tensors, those the first load placed read
+    straight into the model's tensors (found by name, as an engine's adapter would)."""
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    names = {PREFIX + n: n for n in ckpt.tensors}
+    placer = Placer(placement, ckpt, names, own.get)
+    handed: dict[str, int] = {}
+
+    def tensors() -> Iterable[tuple[str, torch.Tensor]]:
+        for name, tensor in stream_tensors(ckpt, window_bytes=64, place=placer):
+            handed[name] = tensor.untyped_storage().data_ptr()
+            yield PREFIX + name, tensor
+
+    model.load_weights(tensors())
+    storages = {t.untyped_storage().data_ptr() for t in own.values()}
+    placer.declined["(test) handed as the model's own memory"] = sum(
+        1 for ptr in handed.values() if ptr in storages
+    )
+    return placer
+
+
+def test_a_reload_reads_each_whole_copied_tensor_straight_into_its_first_place(
+    tmp_path: Path,
+) -> None:
+    """The first load's placement, by name: at a reload from another checkpoint of the same
+    layout, q, k, v, the embedding and the buffer are read into the model's own bytes and
+    handed to its loader as views of them (its copy is of the bytes onto themselves); the
+    cast norms and the skipped table go through the stream. The model ends as its own
+    loader leaves it given the new checkpoint."""
+    first = write(tmp_path, weights())
+    model = Fused()
+    kept: list[Placement] = []
+    load_into_engine(first, engine_of(model, first), placed=kept.append)
+    (placement,) = kept
+    assert sorted(placement.places) == sorted(
+        PREFIX + n for n in weights() if n not in ("inv_freq", "layers.0.norm", "layers.1.norm")
+    )
+    other = {n: t * 3 if t.is_floating_point() else t for n, t in weights().items()}
+    (tmp_path / "other").mkdir()
+    second = write(tmp_path / "other", other)
+    before = pointers(model)
+    placer = _reload(model, second, placement)
+    assert pointers(model) == before
+    expected = state(by_its_own_loader(second))
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
+    assert placer.placed == len(placement.places) == 1 + 2 * 3 + 2
+    assert placer.placed_bytes == sum(
+        other[p.removeprefix(PREFIX)].nbytes for p in placement.places
+    )
+    assert placer.declined["(test) handed as the model's own memory"] == placer.placed
+    assert placer.declined["not recorded whole in one place"] == 3
+
+
+def test_a_reload_streams_a_tensor_whose_dtype_or_destination_changed(tmp_path: Path) -> None:
+    """A tensor now of another dtype than at the first load, or whose destination is no
+    longer as recorded (replaced by a transposed one), goes to the loader as read."""
+    first = write(tmp_path, weights())
+    model = Fused()
+    kept: list[Placement] = []
+    load_into_engine(first, engine_of(model, first), placed=kept.append)
+    other = weights()
+    other["embed"] = other["embed"].float()  # the loader casts it now
+    (tmp_path / "other").mkdir()
+    second = write(tmp_path / "other", other)
+    model.layers[1].qkv = nn.Parameter(torch.zeros(4, 12, dtype=torch.bfloat16).t(), False)
+    placer = _reload(model, second, kept[0])
+    assert placer.declined["another dtype or shape than at the first load"] == 1
+    assert placer.declined["its destination changed since the first load"] == 3  # q, k, v
+    assert placer.placed == 1 + 2 * 3 + 2 - 4
+    assert torch.equal(model.embed, other["embed"].bfloat16())
+    assert torch.equal(model.layers[1].qkv.data.narrow(0, 4, 4), other["layers.1.k"])

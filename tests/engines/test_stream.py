@@ -146,6 +146,44 @@ def test_memory_the_consumer_keeps_a_tensor_of_is_never_read_into_again(tmp_path
     assert len({t.untyped_storage().data_ptr() for _, t in kept}) == len(runs)
 
 
+def test_a_tensor_given_a_place_is_read_into_it_and_handed_over_as_it(tmp_path: Path) -> None:
+    """``place`` gives destinations (a reload: the engine's own tensors) for some tensors:
+    those are read into them and handed over as views of them; the rest come from the
+    windows as before, and windows whose tensors are all placed take no memory."""
+    ckpt = _write(tmp_path / "ckpt", shards=4)
+    reference = _reference(ckpt)
+    placed = {
+        n: torch.empty_like(t)
+        for n, t in reference.items()
+        if "layers.0" in n or n.endswith("t1.weight")
+    }
+    asked: list[str] = []
+
+    def place(name: str) -> torch.Tensor | None:
+        asked.append(name)
+        return placed.get(name)
+
+    window = 1500
+    runs = _stream.windows(
+        sorted(ckpt.tensors.values(), key=lambda t: (t.file.name, t.offset)), window
+    )
+    empty_windows = sum(all(i.name in placed for i in run) for run in runs)
+    assert empty_windows >= 1
+    storages = set()
+    got = 0
+    for name, tensor in _stream.stream_tensors(ckpt, window_bytes=window, place=place):
+        assert torch.equal(raw_bytes(tensor), raw_bytes(reference[name])), name
+        if name in placed:
+            assert tensor.data_ptr() == placed[name].data_ptr()  # its memory, not a copy
+        else:
+            storages.add(tensor.untyped_storage().data_ptr())
+        got += 1
+    assert got == len(reference)
+    assert sorted(asked) == sorted(reference)
+    assert all(torch.equal(raw_bytes(t), raw_bytes(reference[n])) for n, t in placed.items())
+    assert len(storages) <= 3, len(storages)
+
+
 def test_an_early_close_stops_the_reads_and_waits_for_them(tmp_path: Path) -> None:
     ckpt = _write(tmp_path / "ckpt")
     fds = open_fds()

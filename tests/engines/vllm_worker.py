@@ -13,13 +13,15 @@ each load format in turn (in this process: ``distributed_executor_backend="uni"`
 greedy tokens of a few prompts, and the same byte and pointer checks around the loader's
 ``load_weights``.
 
-``python tests/engines/vllm_worker.py reload CASES.json OUT.json``: per case, ``LLM(...)`` loaded with
-the case's format (default ``asyncslab``), then vLLM's in-place ``reload_weights`` from
-another checkpoint of the same architecture (``weights_path``): the greedy tokens before and
-after, and (``fresh``) ``auto``'s on a fresh engine of that other checkpoint.
+``python tests/engines/vllm_worker.py reload CASES.json OUT.json``: per case, ``LLM(...)``
+loaded with the case's format (default ``asyncslab``), then vLLM's in-place
+``reload_weights`` from another checkpoint of the same architecture (``weights_path``): the
+greedy tokens before and after, a digest of every parameter after, asyncslab's report of the
+reload, and (``fresh``) ``auto``'s tokens and digests on a fresh engine of that checkpoint.
 
-``python tests/engines/vllm_worker.py tp CASES.json OUT.json``: per case, tensor parallelism over two
-ranks (vLLM's worker processes) with each format: greedy tokens, and each rank's report.
+``python tests/engines/vllm_worker.py tp CASES.json OUT.json``: per case, tensor parallelism
+over two ranks (vLLM's worker processes) with each format: greedy tokens, and each rank's
+report.
 """
 
 from __future__ import annotations
@@ -269,16 +271,37 @@ def tensor_parallel(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _digests(worker: Any) -> dict[str, str]:
+    """Every parameter of the worker's model (as served: processed), by a digest of its
+    bytes."""
+    import hashlib
+
+    model = worker.model_runner.get_model()
+    return {
+        n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for n, p in model.named_parameters()
+    }
+
+
+def _last_reload(worker: Any) -> dict[str, Any] | None:
+    from asyncslab.engines import _vllm_reload
+
+    report = _vllm_reload.last_reload
+    return None if report is None else dataclasses.asdict(report)
+
+
 def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import SamplingParams
 
     import asyncslab.vllm  # noqa: F401
+    from asyncslab.engines import _vllm_reload
 
     out: dict[str, Any] = {}
     for case in cases:
         record: dict[str, Any] = {}
         fmt = case.get("format", "asyncslab")
+        _vllm_reload.last_reload = None  # this case's, not an earlier one's
         llm, record["before"] = _greedy(case, fmt, distributed_executor_backend="uni")
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": case["other"]})
@@ -286,6 +309,8 @@ def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 PROMPTS, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False
             )
             record["after"] = [list(r.outputs[0].token_ids) for r in results]
+            (record["digests"],) = llm.collective_rpc(_digests)
+            (record["report"],) = llm.collective_rpc(_last_reload)
         except Exception as err:  # recorded for the test to judge
             record.update(_error(err))
         del llm
@@ -293,6 +318,7 @@ def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
         if case.get("fresh"):
             other = dict(case, model=case["other"])
             llm, record["fresh"] = _greedy(other, "auto", distributed_executor_backend="uni")
+            (record["fresh_digests"],) = llm.collective_rpc(_digests)
             del llm
             gc.collect()
         out[case["name"]] = record

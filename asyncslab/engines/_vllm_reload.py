@@ -1,0 +1,159 @@
+"""vLLM's in-place reload, as asyncslab reads into it: where each parameter is now.
+
+``reload_weights`` (vLLM 0.32, ``model_loader/reload``) first restores every processed
+layer to the layout its weight loaders write (``initialize_layerwise_reload``: the
+parameters become meta tensors, their loaders wrapped to buffer what they are given); once
+a layer has been given all its elements, vLLM materializes it (fresh memory), runs the
+buffered loaders into it, processes it and copies the result into the kernel tensors the
+engine serves from. The parameters the first load recorded are then, by name and geometry,
+the layer's materialized ones.
+
+:func:`resolver` looks a parameter up for a :class:`~asyncslab.engines._placement.Placer`:
+a meta parameter of a layer waiting for its weights is materialized here, as vLLM would
+materialize it (its ``materialize_layer``), so that the tensor can be read into it; vLLM's
+later materialization keeps what is no longer meta. A layer vLLM has processed already, or
+a parameter vLLM does not restore (``bias``), is declined: its tensors go through the
+stream and vLLM's loaders. Outside a reload (``model.load_weights`` on live parameters)
+the parameter itself is the destination, as it is the loader's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+from vllm.model_executor.model_loader.reload.meta import materialize_layer
+
+from ..checkpoint._format import Checkpoint, gc_paused
+from ..cli._progress import format_bytes
+from ..loading._options import LoadOptions
+from ._placement import Placement, Placer, Resolve
+from ._stream import stream_tensors
+
+__all__ = ["ReloadReport", "reload_tensors", "reloading", "remember", "resolver"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReloadReport:
+    """What one ``get_all_weights`` did: of ``tensors``, ``placed`` (``placed_bytes``)
+    were read straight into vLLM's parameters; ``declined``: why the rest were not, with
+    how many."""
+
+    tensors: int
+    placed: int
+    placed_bytes: int
+    declined: dict[str, int]
+
+
+#: The last reload in this process (a worker's, for ``LLM.collective_rpc``).
+last_reload: ReloadReport | None = None
+
+# Per model, where its first load put each tensor: vLLM's reload asks a loader made afresh
+# (``get_model_loader``), so the model, not the loader, holds it. Weak: the model's end is
+# the placement's.
+_PLACEMENTS: weakref.WeakKeyDictionary[nn.Module, Placement] = weakref.WeakKeyDictionary()
+
+
+def remember(model: nn.Module, placement: Placement) -> None:
+    _PLACEMENTS[model] = placement
+
+
+def reload_tensors(
+    checkpoint: Checkpoint,
+    names: Mapping[str, str],
+    model: nn.Module,
+    options: LoadOptions,
+    log: logging.Logger,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``checkpoint`` by vLLM's name (``names``: vLLM's -> checkpoint's),
+    for ``model.load_weights``: those the first load recorded copied whole into one
+    parameter read straight into it (handed over as a view of it, so that vLLM's copy is
+    of the bytes onto themselves), the rest streamed. Runs when first iterated, inside
+    vLLM's ``load_weights``: its reload has restored the layers by then."""
+    vllm_name = {ck: name for name, ck in names.items()}
+    placement = _PLACEMENTS.get(model)
+    placer = None
+    if placement is not None:
+        placer = Placer(placement, checkpoint, names, resolver(model, reloading(model)))
+    # The collector paused, as for the first load: the reads' many small objects would set
+    # off full passes over the worker's heap, inside the reload.
+    with gc_paused():
+        tensors = stream_tensors(checkpoint, list(vllm_name), options=options, place=placer)
+        with contextlib.closing(tensors):
+            for name, tensor in tensors:
+                yield vllm_name[name], tensor
+    report = ReloadReport(
+        len(vllm_name),
+        0 if placer is None else placer.placed,
+        0 if placer is None else placer.placed_bytes,
+        {} if placer is None else dict(placer.declined),
+    )
+    global last_reload
+    last_reload = report
+    log.info(
+        "asyncslab reload: %d of %d tensors (%s) read straight into vLLM's parameters%s",
+        report.placed,
+        report.tensors,
+        format_bytes(report.placed_bytes),
+        "".join(f"; {n} not: {why}" for why, n in sorted(report.declined.items())),
+    )
+
+
+def reloading(model: nn.Module) -> bool:
+    """Whether ``model`` is inside vLLM's layerwise reload (its layers restored, waiting for
+    weights). Asked before the first tensor is handed over: once a layer is processed its
+    kernel tensors are back and it looks loaded."""
+    return any(_waiting(module) for module in model.modules())
+
+
+def _waiting(module: nn.Module) -> bool:
+    info = LAYERWISE_INFO.get(module)
+    return info is not None and info.can_load() and info.kernel_tensors is not None
+
+
+def resolver(model: nn.Module, in_reload: bool) -> Resolve:
+    """``resolve(parameter name)``, for a reload (``in_reload``) or a load into live
+    parameters."""
+    # Tensors materialized here, by module: what vLLM later finds there (to load the layer
+    # and process it) must be these; weak, so that vLLM's freeing them is not delayed.
+    ours: weakref.WeakKeyDictionary[nn.Module, dict[str, weakref.ref[torch.Tensor]]] = (
+        weakref.WeakKeyDictionary()
+    )
+    lock = threading.Lock()
+
+    def resolve(name: str) -> torch.Tensor | None:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return None
+        tensor = getattr(module, attr, None)
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        if not in_reload:
+            return None if tensor.is_meta else tensor
+        with lock:
+            made = ours.get(module, {})
+            if attr in made:
+                return tensor if made[attr]() is tensor else None
+            if not tensor.is_meta or not _waiting(module):
+                return None  # never restored by vLLM (bias), or processed already
+            restored = [n for n, t in _own(module) if t.is_meta]
+            materialize_layer(module, LAYERWISE_INFO[module])
+            made_now = dict(_own(module))
+            ours[module] = {n: weakref.ref(made_now[n]) for n in restored if n in made_now}
+            now = made_now.get(attr)
+            return now if now is not None and not now.is_meta else None
+
+    return resolve
+
+
+def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
