@@ -22,6 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
+from asyncslab.engines._vllm_object_store import pull_config
+from asyncslab.errors import MissingFileError
 from tests.engines.test_vllm import (
     HERE,
     MISSING,
@@ -252,3 +254,20 @@ def test_the_openai_server_serves_an_s3_model(
     text = log.read_text()
     assert "asyncslab loaded" in text
     assert f"({len(list(models['mixtral'].glob('*.safetensors')))} files)" in text
+
+
+def test_a_pull_with_bad_credentials_is_refused_without_showing_them(
+    models: dict[str, Path], s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pull of config and tokenizer fails as ``Checkpoint.open`` does: a
+    ``MissingFileError`` naming the prefix, no secret in it, the client's error not chained
+    (in this process: the pull imports vLLM only once the listing succeeded)."""
+    for name, value in _s3_env(s3_server.endpoint, Path("unused")).items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret-0123456789")
+    with pytest.raises(MissingFileError, match="access denied") as caught:
+        pull_config(f"{PREFIX}/llama")
+    assert f"{PREFIX}/llama" in str(caught.value)
+    assert "not-the-secret" not in str(caught.value)
+    assert caught.value.__cause__ is None
