@@ -76,9 +76,10 @@ def object_weights(model_config: Any) -> str | None:
 def install(load_format: str) -> None:
     """Wrap vLLM's two methods for ``load_format`` (see the module's docstring). Called by
     the ``vllm.general_plugins`` entry point in every vLLM process, before any
-    ``EngineArgs`` builds its config; a second call changes nothing. A vLLM whose methods
-    are not there any more gets a warning and no wrapping: object-storage models are then
-    refused by vLLM itself, every other load works as before."""
+    ``EngineArgs`` builds its config; a second call changes nothing. A method this vLLM no
+    longer has gets a warning instead of a wrapper (raising here would stop every vLLM
+    start): object-storage models are then left to vLLM itself, every other load works as
+    before."""
     from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
 
