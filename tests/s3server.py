@@ -232,6 +232,9 @@ class FaultProxy:
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
         self._server: asyncio.Server | None = None
+        # Each connection's task, held here: Python 3.11's streams drop theirs when the client
+        # goes away, and a task waiting on the server would then be collected half-way.
+        self._tasks: set[asyncio.Task[None]] = set()
         self._lock = threading.Lock()
         self.endpoint = ""
 
@@ -289,6 +292,9 @@ class FaultProxy:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.open_connections += 1
         self.most_open = max(self.most_open, self.open_connections)
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
         try:
             await self._one(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -296,6 +302,8 @@ class FaultProxy:
         finally:
             self.open_connections -= 1
             writer.close()
+            if task is not None:
+                self._tasks.discard(task)
 
     async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -325,18 +333,15 @@ class FaultProxy:
         try:
             up_writer.write(out + body)
             await up_writer.drain()
+            if fault is None and self.rate is not None:
+                await self._relay(up_reader, writer)
+                return
             response = await up_reader.read()  # to the end: the server closes after one
         finally:
             up_writer.close()
         split = response.find(b"\r\n\r\n") + 4
-        head_out = response[:split]
-        head_lines = head_out.decode("latin-1").split("\r\n")
-        head_lines = [ln for ln in head_lines if not ln.lower().startswith("connection:")]
-        if fault is not None and fault.kind == "etag":
-            head_lines = [
-                f"ETag: {fault.etag}" if ln.lower().startswith("etag:") else ln for ln in head_lines
-            ]
-        head_out = "\r\n".join([*head_lines[:-2], "Connection: close", "", ""]).encode("latin-1")
+        etag = fault.etag if fault is not None and fault.kind == "etag" else None
+        head_out = _closing_head(response[:split], etag)
         payload = response[split:]
         if fault is None or fault.kind in ("before", "etag"):
             await self._send(writer, head_out + payload)
@@ -348,27 +353,55 @@ class FaultProxy:
             while not self._released.is_set() and not reader.at_eof():  # noqa: ASYNC110
                 await asyncio.sleep(0.01)
 
+    async def _relay(self, up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The server's response passed on as it arrives, at :attr:`rate` at most: a link
+        holds no whole response before its first byte (a client with large requests would
+        time out waiting for it)."""
+        assert self.rate is not None
+        writer.write(_closing_head(await up_reader.readuntil(b"\r\n\r\n"), None))
+        began, sent = time.monotonic(), 0
+        while chunk := await up_reader.read(_PACE_BYTES):
+            sent += len(chunk)
+            await _until(began + sent / self.rate)
+            writer.write(chunk)
+            await writer.drain()
+
     async def _send(self, writer: asyncio.StreamWriter, data: bytes) -> None:
         """``data`` to the client, no faster than :attr:`rate` when one is set."""
-        if self.rate is None:
-            writer.write(data)
-            await writer.drain()
-            return
         view = memoryview(data)
-        began = time.monotonic()
-        for at in range(0, len(view), _PACE_BYTES):
-            end = min(len(view), at + _PACE_BYTES)
+        began, step = time.monotonic(), len(view) if self.rate is None else _PACE_BYTES
+        for at in range(0, len(view), max(1, step)):
+            end = min(len(view), at + step)
+            if self.rate is not None:
+                await _until(began + end / self.rate)
             writer.write(view[at:end])
             await writer.drain()
-            # Sleep off what this connection sent ahead of its rate (paced per chunk: the
-            # loop's timers are ~1 ms apart, a chunk at 100 MB/s is 2.6 ms).
-            ahead = began + end / self.rate - time.monotonic()
-            if ahead > 0:
-                await asyncio.sleep(ahead)
 
 
 #: Bytes a rate-capped response is written in between two waits.
 _PACE_BYTES = 256 << 10
+
+
+async def _until(deadline: float) -> None:
+    """Sleep until ``time.monotonic()`` reaches ``deadline``: each chunk of a rate-capped
+    response goes out once the link would have carried its last byte (the loop's timers are
+    ~1 ms apart; a chunk at 100 MB/s is 2.6 ms)."""
+    ahead = deadline - time.monotonic()
+    if ahead > 0:
+        await asyncio.sleep(ahead)
+
+
+def _closing_head(head: bytes, etag: str | None) -> bytes:
+    """A response's head (status line and headers, blank line included) saying
+    ``Connection: close``, its ETag replaced by ``etag`` if given."""
+    lines = [
+        ln
+        for ln in head.decode("latin-1").split("\r\n")
+        if not ln.lower().startswith("connection:")
+    ]
+    if etag is not None:
+        lines = [f"ETag: {etag}" if ln.lower().startswith("etag:") else ln for ln in lines]
+    return "\r\n".join([*lines[:-2], "Connection: close", "", ""]).encode("latin-1")
 
 
 def iter_keys(store: Any, prefix: str) -> Iterator[str]:
