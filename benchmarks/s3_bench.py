@@ -38,6 +38,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -393,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rec = child_raw(args.uri) if args.child == "raw-bound" else child_vllm(args.child, args.uri)
         print(RESULT + json.dumps(rec), flush=True)
         return 0
+    # A stop by SIGTERM unwinds as an exit does: the server and its directory go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(args.workdir)
     models = write_models(workdir, args.models, args.quick, args.exl3_size)
     sizes = {name: payload_bytes(path) for name, path in models.items()}
