@@ -41,7 +41,7 @@ from ._strategy_staged import staging_buffer
 if TYPE_CHECKING:
     from obstore import GetOptions
 
-__all__ = ["Remote", "fetch", "reads_objects"]
+__all__ = ["Remote", "fetch", "reads_objects", "request_limits", "response_tensor", "store_of"]
 
 _BACKOFF_S = 0.05
 _BACKOFF_MAX_S = 1.0
@@ -72,12 +72,7 @@ class Remote:
             budget = min(options.staging_bytes, self.workers * options.request_size)
             self.staging_budget = staging_budget(max(budget, self.workers), self.workers, self._pin)
             self.read_size = self.staging_budget // self.workers
-        self._attempts = options.request_retries + 1
-        timeout = options.read_timeout
-        # All attempts and the waits between them within read_timeout (the backoff takes at
-        # most half of it).
-        waits = min(sum(_backoff(k) for k in range(1, self._attempts)), (timeout or 0) / 2)
-        self._timeout = None if timeout is None else (timeout - waits) / self._attempts
+        self._attempts, self._timeout = request_limits(options)
         self._copier = copier
         self._staging: StagingBuffers | None = None
 
@@ -86,7 +81,7 @@ class Remote:
 
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
         shards = sink.plan.files
-        stores = [_store_of(shard, self._timeout) for shard in shards]
+        stores = [store_of(shard, self._timeout) for shard in shards]
         ops, paths = reads.schedule.ops, files.paths
         attempts, timeout = self._attempts, self._timeout
         copy = named_copy(self._copier.copy, sink, paths)
@@ -100,9 +95,7 @@ class Remote:
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
             data = fetch(stores[op.file], shards[op.file], op.offset, op.nbytes, attempts, timeout)
-            # A view of the client's buffer (kept alive by ``data`` until the copy returned).
-            address = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
-            response = torch.frombuffer(byte_view(address, op.nbytes), dtype=torch.uint8)
+            response = response_tensor(data, op.nbytes)  # ``data`` lives until the copy returned
             if staging is None:
                 copy(op, response, worker)  # each byte written once, into its slot
             else:
@@ -122,12 +115,31 @@ class Remote:
             self._staging.close()
 
 
+def request_limits(options: LoadOptions) -> tuple[int, float | None]:
+    """The attempts each GET of a load gets, and the seconds each attempt may take: all
+    attempts and the waits between them within ``read_timeout`` (the backoff takes at most
+    half of it)."""
+    attempts = options.request_retries + 1
+    timeout = options.read_timeout
+    waits = min(sum(_backoff(k) for k in range(1, attempts)), (timeout or 0) / 2)
+    return attempts, None if timeout is None else (timeout - waits) / attempts
+
+
+def response_tensor(data: Any, nbytes: int) -> torch.Tensor:
+    """A uint8 view of the client's buffer ``data`` (a response of :func:`fetch`), no copy;
+    valid while ``data`` lives."""
+    address = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
+    return torch.frombuffer(byte_view(address, nbytes), dtype=torch.uint8)
+
+
 def _backoff(attempt: int) -> float:
     """Seconds to wait before attempt ``attempt`` (1: the first retry)."""
     return min(_BACKOFF_S * 2.0 ** (attempt - 1), _BACKOFF_MAX_S)
 
 
-def _store_of(shard: ShardFile, timeout: float | None) -> Any:
+def store_of(shard: ShardFile, timeout: float | None) -> Any:
+    """The client of ``shard``'s bucket for a load's GETs (``timeout``: each attempt's
+    limit, from :func:`request_limits`)."""
     if shard.source is None:
         raise LoadError("not an object", file=shard.path)
     return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
