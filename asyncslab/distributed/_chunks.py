@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import array
 import bisect
-import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from ..errors import LoadError
-from ..loading._read import pread_scatter, scatter
 from ..loading._sink import Sink
 from ..planning._plan import Plan
 
@@ -26,8 +25,10 @@ __all__ = [
     "POLL_S",
     "Chunk",
     "ChunkReader",
+    "Done",
     "RouteIndex",
     "Segment",
+    "SegmentSource",
     "needed_ranges",
     "pack_ranges",
     "share_chunks",
@@ -180,10 +181,30 @@ def _key(needers: frozenset[int]) -> int:
 # --- this rank's side -------------------------------------------------------------------
 
 
+#: One read done: its byte count (called on the reading thread, in order).
+Done = Callable[[int], None]
+
+
+class SegmentSource(Protocol):
+    """Fills a chunk's buffer with its segments' bytes (``_sources``: the shards' files,
+    or their objects)."""
+
+    def read(self, segments: Sequence[Segment], address: int, done: Done) -> None:
+        """Each segment's bytes at ``address + segment.at``; ``done(nbytes)`` after each read
+        that succeeded. Returns only once no read of the chunk is in flight (the buffer is
+        the caller's again), raising the first failure."""
+        ...
+
+    def close(self) -> None:
+        """Release what reading took (files, threads); no read is in flight."""
+        ...
+
+
 class ChunkReader:
     """This rank's reads of the chunks it owns, in chunk order on a thread of its own, at
     most ``depth`` chunks ahead of the protocol: chunk ``k`` goes into ``host[k % depth]``,
-    free once the protocol has processed chunk ``k - depth`` (:meth:`advance`).
+    free once the protocol has processed chunk ``k - depth`` (:meth:`advance`). ``source``
+    reads them (the shards' files, or their objects: ``_sources``).
 
     ``failing()``: this rank has failed or aborted (no further read is worth its bytes);
     ``aborted()``: the protocol must stop waiting for a read (it may never return). The
@@ -196,8 +217,7 @@ class ChunkReader:
         rank: int,
         host: list[torch.Tensor],
         depth: int,
-        fds: Mapping[int, int],
-        paths: Sequence[str],
+        source: SegmentSource,
         *,
         failing: Callable[[], bool],
         aborted: Callable[[], bool],
@@ -206,8 +226,7 @@ class ChunkReader:
         self._mine = [k for k, c in enumerate(chunks) if c.owner == rank]
         self._host = host
         self._depth = depth
-        self._fds = dict(fds)
-        self._paths = paths
+        self._source = source
         self._failing = failing
         self._aborted = aborted
         self.reads = 0
@@ -216,7 +235,7 @@ class ChunkReader:
         self._done = 0  # chunks the protocol has processed
         self._stop = False  # no further read starts
         # The protocol stopped waiting for the reader (this rank aborted while one of its
-        # reads was in flight); the reader then closes the files when it returns.
+        # reads was in flight); the reader then closes the source when it returns.
         self._left = False
         self._exited = False
         self._swapped = False
@@ -228,10 +247,10 @@ class ChunkReader:
 
     def _run(self) -> None:
         # Its own references: a read the protocol left behind may still write into these
-        # buffers and read these files whenever it returns.
+        # buffers and read through this source whenever it returns.
         buffers = list(self._host)
         addresses = [t.data_ptr() for t in buffers]
-        fds, cond = self._fds, self._cond
+        source, cond = self._source, self._cond
         try:
             for k in self._mine:
                 with cond:
@@ -243,15 +262,7 @@ class ChunkReader:
                 if not self._failing():
                     try:
                         address = addresses[k % self._depth]
-                        for seg in self._chunks[k].segments:
-                            pread_scatter(
-                                fds[seg.file],
-                                scatter([(address + seg.at, seg.nbytes)]),
-                                seg.offset,
-                                path=self._paths[seg.file],
-                            )
-                            self.reads += 1
-                            self.bytes_read += seg.nbytes
+                        source.read(self._chunks[k].segments, address, self._count)
                     except BaseException as err:
                         result = err
                 with cond:
@@ -262,8 +273,11 @@ class ChunkReader:
                 self._exited = True
                 left = self._left
             if left:
-                for fd in fds.values():
-                    os.close(fd)
+                source.close()
+
+    def _count(self, nbytes: int) -> None:
+        self.reads += 1
+        self.bytes_read += nbytes
 
     def take(self, k: int) -> BaseException | None:
         """The outcome of this rank's read of chunk ``k``: its error, or ``None`` (also
@@ -295,8 +309,8 @@ class ChunkReader:
 
     def finish(self) -> bool:
         """Start no further read and wait for the thread. ``True`` when this rank aborted
-        with a read still in flight (it may never return): the reader keeps its files and
-        buffers, and closes the files itself when the read returns."""
+        with a read still in flight (it may never return): the reader keeps its source and
+        buffers, and closes the source itself when the read returns."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()

@@ -26,9 +26,12 @@ again (destroy it, or exit).
 A shared load is a :class:`~asyncslab.loading._load.Load` begun by
 ``loading._slabs.begin_shared``: the chunks' bytes land through its sink, and it finishes
 like a local load, so the slabs fill, gate and report alike. The chunk list, this rank's
-chunk reader and the landing index live in ``_chunks``; the pass that moves the chunks, in
-``_shared_pass``; the collectives and the protocol thread's calls onto the loop, in
-``_protocol``. Here: the plans, the pre-flight, the agreement, and the load's owner.
+chunk reader and the landing index live in ``_chunks``; where the reader's bytes come from
+(the shards' files, or objects by ranged GETs pinned to their ETags), in ``_sources``; the
+pass that moves the chunks, in ``_shared_pass``; the collectives and the protocol thread's
+calls onto the loop, in ``_protocol``. Here: the plans, the pre-flight, the agreement, and
+the load's owner. A checkpoint in object storage needs nothing else here: without
+``share_reads`` each rank's ordinary load fetches its plan's ranges.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import os
 import re
 import resource
 import threading
@@ -55,13 +57,13 @@ from ..errors import (
     LoadError,
     PlanError,
 )
-from ..loading._load import Load, open_checked
+from ..loading._load import Load
 from ..loading._slabs import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
 from ..planning._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
 from ..planning._plan import Plan, plan
 from ..planning._rules import Dense, RowSlice
 from ..planning._vocabulary import Claim, Rule
-from ._chunks import needed_ranges, pack_ranges
+from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
     ABORTED,
     CANCELLED,
@@ -74,6 +76,7 @@ from ._protocol import (
     gather,
 )
 from ._shared_pass import SharedPass
+from ._sources import open_source, version_problems, versions
 
 __all__ = [
     "DEFAULT_ROWS",
@@ -344,7 +347,8 @@ class _Session:
         # The shared load this rank's slabs run (share_reads), once begun.
         self.load: Load | None = None
         self.stopped_by: int | None = None
-        self.fds: dict[int, int] = {}
+        # Where this rank's shared reads come from (share_reads): its files or objects.
+        self.source: SegmentSource | None = None
         self.started = time.perf_counter()
         self.bytes_read = 0
         self.bytes_received = 0
@@ -379,6 +383,7 @@ class _Session:
             if self.share
             else (False,),
             "ranges": None,
+            "versions": versions(self.checkpoint),
             "error": None,
         }
         try:
@@ -394,14 +399,7 @@ class _Session:
                 hello["ranges"] = pack_ranges(needed_ranges(self.plan))
                 # Bytes arrive in the group's chunks ("shared"), landed here.
                 self.load = begin_shared(self.slabs, self.checkpoint, self.plan, self.options)
-                for i, shard in enumerate(self.plan.files):
-                    self.fds[i] = open_checked(
-                        shard.path,
-                        shard.size,
-                        shard.inode,
-                        shard.mtime_ns,
-                        shards=len(self.plan.files),
-                    )
+                self.source = open_source(self.plan, self.options)
         except Exception as err:
             self.local_error = err
             hello["error"] = describe(err)
@@ -427,6 +425,11 @@ class _Session:
 
     def failing(self) -> bool:
         return self.local_error is not None or self.abort_reason is not None
+
+    def _close_source(self) -> None:
+        source, self.source = self.source, None
+        if source is not None:
+            source.close()
 
     # -- protocol thread --
 
@@ -466,9 +469,7 @@ class _Session:
         except CollectiveFailed as err:
             return "error", self._lost(err)
         finally:
-            for fd in self.fds.values():
-                os.close(fd)
-            self.fds.clear()
+            self._close_source()
 
     def gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
         return gather(self.group, self.world, obj, step)
@@ -591,6 +592,8 @@ def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str
                 f"headers {h['headers']}; rank 0: {list(first['files'])[:3]}, "
                 f"headers {first['headers']})"
             )
+    for rank, why in version_problems(hellos).items():
+        problems.setdefault(rank, why)
     tags = [h["tag"] for h in hellos]
     if any(t is not None for t in tags):
         tagged = next(h["rank"] for h, t in zip(hellos, tags, strict=True) if t is not None)
@@ -807,9 +810,7 @@ async def _release(session: _Session, owned: bool) -> None:
         session.load.finish("failed", LoadError("distributed load failed"))
     if not session.abandoned:
         # Only left open when the protocol thread never ran; an abandoned one closes its own.
-        for fd in session.fds.values():
-            os.close(fd)
-        session.fds.clear()
+        session._close_source()
     if slabs is None:
         pass  # its allocation failed: nothing to free
     elif owned:

@@ -26,7 +26,7 @@ from ..loading._options import LoadOptions
 from ..loading._pinned import pinned_bytes
 from ..loading._slabs import SlabSet
 from ..planning._plan import Plan
-from ._chunks import Chunk, ChunkReader, RouteIndex, share_chunks, unpack_ranges
+from ._chunks import Chunk, ChunkReader, RouteIndex, SegmentSource, share_chunks, unpack_ranges
 from ._protocol import Abandoned, broadcast, describe
 
 __all__ = ["RankSide", "SharedPass"]
@@ -47,7 +47,7 @@ class RankSide(Protocol):
     chunk_bytes: int
     loop: asyncio.AbstractEventLoop
     load: Load | None
-    fds: dict[int, int]
+    source: SegmentSource | None
     abandoned: bool
     abort_reason: str | None
     local_error: BaseException | None
@@ -121,13 +121,13 @@ class SharedPass:
                 assert side.load is not None
                 side.load.record_staging(nbuf * (held + (size if side.comm_cuda else 0)))
                 routes = RouteIndex(side.plan, side.load.sink)
+                assert side.source is not None  # opened with the load, before the pre-flight
                 reader = ChunkReader(
                     chunks,
                     rank,
                     host,
                     nbuf,
-                    side.fds,
-                    [str(f.path) for f in side.plan.files],
+                    side.source,
                     failing=side.failing,
                     aborted=lambda: side.abort_reason is not None,
                 )
@@ -162,9 +162,9 @@ class SharedPass:
         finally:
             if reader is not None:
                 # Aborted with a read still in flight (it may never return), the reader
-                # keeps its files and buffers and this goes on to the agreement.
+                # keeps its source and buffers and this goes on to the agreement.
                 if reader.finish():
-                    side.fds = {}
+                    side.source = None
                 side.bytes_read, side.reads = reader.bytes_read, reader.reads
             try:
                 side.in_loop(self._settle)

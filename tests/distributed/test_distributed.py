@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import errno
 import hashlib
+import importlib
 import json
 import multiprocessing
 import os
@@ -35,8 +36,9 @@ import torch.distributed as dist
 import asyncslab
 import asyncslab.testing
 from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
-from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _chunks as shared
+from asyncslab.distributed import _session as distributed
+from asyncslab.distributed import _sources as sources
 from asyncslab.errors import DistributedLoadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
 from tests.helpers import HANG_S, raw_bytes
@@ -155,6 +157,17 @@ async def _until_rank_finished(rank: int) -> None:
         await asyncio.sleep(0.02)
 
 
+def _scenario(name: str) -> Callable[[int, int, Path, dict[str, Any]], Awaitable[None]]:
+    """A scenario of this module, or ``module:function`` in another test module whose ranks
+    this module spawns (a spawned child imports only the module of its target)."""
+    if ":" not in name:
+        return SCENARIOS[name]
+    module, _, function = name.partition(":")
+    found: Callable[[int, int, Path, dict[str, Any]], Awaitable[None]]
+    found = getattr(importlib.import_module(module), function)
+    return found
+
+
 def _child(
     rank: int, world: int, workdir: str, checkpoints: str, scenario: str, pg_timeout: float
 ) -> None:
@@ -181,7 +194,7 @@ def _child(
             pass
     try:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(SCENARIOS[scenario](rank, world, Path(checkpoints), result))
+            runner.run(_scenario(scenario)(rank, world, Path(checkpoints), result))
     except BaseException:
         result["crash"] = traceback.format_exc()
     path = Path(workdir) / f"rank{rank}.json"
@@ -617,7 +630,7 @@ async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any
         def refuse(*args: Any, **kwargs: Any) -> int:
             raise OSError(errno.EIO, "injected EIO")
 
-        shared.pread_scatter = refuse  # type: ignore[assignment]
+        sources.pread_scatter = refuse  # type: ignore[assignment]
     gc.collect()
     gc.disable()
     slabs = asyncslab.SlabSet(plan)
@@ -775,15 +788,15 @@ def _refuse_route_index() -> Callable[[], None]:
 
 def _refuse_open() -> Callable[[], None]:
     """Make opening a shard for the shared reads fail, as a permission error would."""
-    real = distributed.open_checked
+    real = sources.open_checked
 
     def refuse(path: Path, *args: Any, **kwargs: Any) -> int:
         raise asyncslab.errors.ReadError("cannot open it: permission denied (injected)", file=path)
 
-    distributed.open_checked = refuse
+    sources.open_checked = refuse
 
     def undo() -> None:
-        distributed.open_checked = real
+        sources.open_checked = real
 
     return undo
 
