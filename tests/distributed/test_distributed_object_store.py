@@ -10,9 +10,11 @@ from the local copy of the checkpoint.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,10 @@ import torch.distributed as dist
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions
 from asyncslab.distributed import _session as distributed
+from asyncslab.distributed import _sources as sources
 from asyncslab.testing import SyntheticCheckpoint
 from tests.distributed.test_distributed import _error, _spawn
-from tests.helpers import raw_bytes
+from tests.helpers import HANG_S, raw_bytes
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer, upload
 
 pytestmark = pytest.mark.skipif(
@@ -250,11 +253,15 @@ def _inject(case: str, proxy: FaultProxy, store: Any, originals: dict[str, bytes
 
 
 async def _attempt_digest(
-    ckpt: Checkpoint, plan: asyncslab.Plan, share: bool, options: LoadOptions
+    ckpt: Checkpoint,
+    plan: asyncslab.Plan,
+    share: bool,
+    options: LoadOptions,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     try:
         loaded = await distributed.load(
-            ckpt, plan, share_reads=share, options=options, chunk_bytes=CHUNK
+            ckpt, plan, share_reads=share, options=options, chunk_bytes=CHUNK, timeout=deadline
         )
     except BaseException as err:
         got = _error(err, 0.0)
@@ -262,6 +269,35 @@ async def _attempt_digest(
         return got
     async with loaded:
         return {"type": None, "state": loaded.slabs.state, "digest": _digest(loaded.slabs)}
+
+
+async def _deadline(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
+    """Rank 1's GETs stall with no read_timeout, and its shared load passes its own
+    ``timeout=``: it raises, its protocol finishes the collectives without waiting for the
+    GET, the others hear of it in step; the reader and its GET threads, left waiting on the
+    server, end once the server answers."""
+    config = _config(root)
+    with FaultProxy(config["endpoint"]) as proxy:
+        ckpt = _open(config, proxy)
+        plan = distributed.rank_plan(ckpt, mode="replicated")
+        if rank == 1:
+            proxy.add(Fault("stall", _payload, after=10, times=-1))
+        options = LoadOptions(coalesce_gap=0, request_size=16 << 10, read_timeout=None)
+        deadline = 1.0 if rank == 1 else None
+        result["outcome"] = await _attempt_digest(ckpt, plan, True, options, deadline)
+        if rank == 1:
+            protocol = [t for t in threading.enumerate() if t.name == "asyncslab-dist"]
+            for thread in protocol:
+                await asyncio.to_thread(thread.join, HANG_S)
+            result["protocol_finished"] = not any(t.is_alive() for t in protocol)
+            result["left"] = _readers()  # still waiting on the stalled server
+            proxy.faults.clear()
+            proxy.release()  # the stalled responses end; the GETs' retries are answered
+            limit = time.monotonic() + HANG_S  # a hang guard, not a measure
+            while _readers() and time.monotonic() < limit:  # noqa: ASYNC110 - threads
+                await asyncio.sleep(0.02)
+            result["after_release"] = _readers()
+    result["group_broken"] = True  # a timeout leaves the group unusable
 
 
 # --- parent side -------------------------------------------------------------------------
@@ -419,3 +455,52 @@ def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
         assert "opened another version of s3://models/dist-faults/" in got["message"], got
         assert "(ranks disagree before loading)" in got["message"], got
         assert got["gets"] == 0, got  # refused before any payload was asked for
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_shared_load_past_its_deadline_leaves_its_stalled_gets_behind_and_frees_them(
+    tmp_path: Path,
+    s3_server: SeaweedServer,
+    s3_small: str,
+    small_checkpoint: SyntheticCheckpoint,
+) -> None:
+    config = _write_config(tmp_path / "s3", s3_server, s3_small, small_checkpoint)
+    # The group's timeout is past this test's: every rank must hear of rank 1 in step.
+    results = _spawn(tmp_path, 2, f"{HERE}:_deadline", config, pg_timeout=300.0, wait=100)
+    mine, other = results[1], results[0]
+    assert mine is not None, results
+    assert other is not None, results
+    got = mine["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert "did not finish within timeout=1.0 s" in got["message"], got
+    got = other["outcome"]
+    assert got["type"] == "DistributedLoadError", got
+    assert got["ranks"] == [1], got
+    assert "failed on rank 1 of 2: load timed out after 1.0 s" in got["message"], got
+    assert mine["protocol_finished"]
+    assert "asyncslab-dist-read" in mine["left"], mine  # left behind with its GETs ...
+    assert any(n.startswith("asyncslab-dist-get") for n in mine["left"]), mine
+    assert mine["after_release"] == [], mine  # ... and gone once they returned
+
+
+def test_versions_are_compared_only_where_ranks_opened_the_same_object() -> None:
+    """Rank 0's ETags against the others', by URI: a mirror in another bucket (its own
+    ETags) or a local copy (none) is no other version."""
+
+    def hello(rank: int, versions: dict[str, str]) -> dict[str, Any]:
+        return {"rank": rank, "versions": versions}
+
+    a, b = "s3://models/m/a.safetensors", "s3://models/m/b.safetensors"
+    mirror = "s3://mirror/m/a.safetensors"
+    hellos = [
+        hello(0, {a: '"1"', b: '"2"'}),
+        hello(1, {a: '"1"', b: '"2"'}),
+        hello(2, {mirror: '"9"'}),
+        hello(3, {}),
+        hello(4, {a: '"1"', b: '"3"'}),
+    ]
+    problems = sources.version_problems(hellos)
+    assert list(problems) == [4]
+    assert problems[4].startswith(f'opened another version of {b} than rank 0 (ETag "3"; ')
+    assert 'rank 0: "2")' in problems[4]
