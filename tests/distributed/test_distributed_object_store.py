@@ -352,15 +352,22 @@ def _minus(
     return out
 
 
-@pytest.mark.timeout(240)
-def test_ranks_load_from_s3_bit_exact_each_requesting_only_its_own_ranges(
+@pytest.fixture
+def small_on_s3(
     tmp_path: Path,
     s3_server: SeaweedServer,
     s3_small: str,
     small_checkpoint: SyntheticCheckpoint,
+) -> Path:
+    """``s3_small`` as the spawned ranks reach it: the folder of their config."""
+    return _write_config(tmp_path / "s3", s3_server, s3_small, small_checkpoint)
+
+
+@pytest.mark.timeout(240)
+def test_ranks_load_from_s3_bit_exact_each_requesting_only_its_own_ranges(
+    tmp_path: Path, small_on_s3: Path
 ) -> None:
-    config = _write_config(tmp_path / "s3", s3_server, s3_small, small_checkpoint)
-    results = _spawn(tmp_path, 2, f"{HERE}:_modes", config, pg_timeout=PG_TIMEOUT, wait=200)
+    results = _spawn(tmp_path, 2, f"{HERE}:_modes", small_on_s3, pg_timeout=PG_TIMEOUT, wait=200)
     assert all(r is not None for r in results), results
     assert [r["threads"] for r in results if r is not None] == [[], []]
     ranks = [r["loads"] for r in results if r is not None]
@@ -460,14 +467,10 @@ def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_shared_load_past_its_deadline_leaves_its_stalled_gets_behind_and_frees_them(
-    tmp_path: Path,
-    s3_server: SeaweedServer,
-    s3_small: str,
-    small_checkpoint: SyntheticCheckpoint,
+    tmp_path: Path, small_on_s3: Path
 ) -> None:
-    config = _write_config(tmp_path / "s3", s3_server, s3_small, small_checkpoint)
     # The group's timeout is past this test's: every rank must hear of rank 1 in step.
-    results = _spawn(tmp_path, 2, f"{HERE}:_deadline", config, pg_timeout=300.0, wait=100)
+    results = _spawn(tmp_path, 2, f"{HERE}:_deadline", small_on_s3, pg_timeout=300.0, wait=100)
     mine, other = results[1], results[0]
     assert mine is not None, results
     assert other is not None, results
