@@ -29,6 +29,7 @@ from ..errors import LoadError
 from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
 from ..loading._slabs import SlabSet
 from ._coverage import IntoPlan, plan_into
+from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._recording import capture
 from ._stream import runner, stream_tensors
@@ -136,6 +137,9 @@ def load_into_engine(
                 [*into.transformed, *into.skipped],
             )
         )
+    # Before the first touch: the reads (and the engine's loader, for what it transforms)
+    # then fault the parameters in once per huge page instead of once per 4 KiB.
+    advise_huge_pages(p for _, p in engine.parameters)
     loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:

@@ -34,6 +34,7 @@ from vllm.model_executor.model_loader.reload.meta import materialize_layer
 from ..checkpoint._format import Checkpoint, gc_paused
 from ..cli._progress import format_bytes
 from ..loading._options import LoadOptions
+from ._hugepages import advise_huge_pages
 from ._placement import Placement, Placer, Resolve
 from ._stream import stream_tensors
 
@@ -148,6 +149,8 @@ def resolver(model: nn.Module, in_reload: bool) -> Resolve:
             restored = [n for n, t in _own(module) if t.is_meta]
             materialize_layer(module, LAYERWISE_INFO[module])
             made_now = dict(_own(module))
+            # Fresh memory, about to be read into: huge pages before its first touch.
+            advise_huge_pages(made_now[n] for n in restored if n in made_now)
             ours[module] = {n: weakref.ref(made_now[n]) for n in restored if n in made_now}
             now = made_now.get(attr)
             return now if now is not None and not now.is_meta else None
