@@ -375,7 +375,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--quick", action="store_true", help="small models: a smoke test")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-s3-bench"))
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="every run (written after each) and the summary")
+    ap.add_argument("--report", type=Path, help="print the tables of a --json file, run nothing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--uri", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -394,12 +395,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         rec = child_raw(args.uri) if args.child == "raw-bound" else child_vllm(args.child, args.uri)
         print(RESULT + json.dumps(rec), flush=True)
         return 0
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        args.latency_ms = saved.get("latency_ms", args.latency_ms)  # the link it ran through
+        args.link_mbps = saved.get("link_mbps", args.link_mbps)
+        report(saved["runs"], args)
+        return 0
     # A stop by SIGTERM unwinds as an exit does: the server and its directory go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(args.workdir)
     models = write_models(workdir, args.models, args.quick, args.exl3_size)
     sizes = {name: payload_bytes(path) for name, path in models.items()}
     runs: list[dict[str, Any]] = []
+    link_settings = {"latency_ms": args.latency_ms, "link_mbps": args.link_mbps}
     with serving(models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6) as links:
         jobs = [
             (link, model, contender)
@@ -429,13 +437,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "model": model,
                         "contender": contender,
                         "result": result,
+                        "load_average": os.getloadavg()[0],  # what the machine was doing
                     }
                 )
+                if args.json:  # after every load: a run stopped half-way keeps its rounds
+                    args.json.write_text(
+                        json.dumps({"sizes": sizes, **link_settings, "runs": runs}) + "\n"
+                    )
                 shown = why or result.get("error") or f"{result['seconds']:.3f} s"
                 print(f"  round {r + 1} {link} {model} {contender}: {shown}", flush=True)
+    report(runs, args)
+    if args.json:
+        rows = summarise(runs)
+        args.json.write_text(
+            json.dumps({"sizes": sizes, **link_settings, "rows": rows, "runs": runs}, indent=1)
+            + "\n"
+        )
+    return 0
+
+
+def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """The tables and the targets of ``runs``."""
     rows = summarise(runs)
     lines = []
-    for link in links:
+    for link in dict.fromkeys(run["link"] for run in runs):
         extra = (
             ""
             if link == "local"
@@ -444,11 +469,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines += ["", f"link {link}{extra}:", "", *table(rows, link)]
     lines += ["", *targets(rows, runs)]
     print("\n".join(lines))
-    if args.json:
-        args.json.write_text(
-            json.dumps({"sizes": sizes, "rows": rows, "runs": runs}, indent=1) + "\n"
-        )
-    return 0
 
 
 if __name__ == "__main__":
