@@ -1,7 +1,7 @@
-"""Load formats side by side inside vLLM: each load in a fresh process, interleaved round by
-round (the order reversed every other round), the page cache warm.
+"""Load formats side by side inside vLLM, on every path a server takes: each load in a
+fresh process, interleaved round by round (the order reversed every other round).
 
-    python benchmarks/vllm_bench.py [--model DIR] [--rounds 3] [--json OUT]
+    python benchmarks/vllm_bench.py [--model DIR] [--rounds 5] [--paths ...] [--json OUT]
 
 Without ``--model`` it writes a Mixtral-like bfloat16 model (18 layers x 8 experts, about
 1.48 GB; kept in ``--workdir``). Per contender and round a child process creates the model
@@ -12,9 +12,23 @@ parameter after ``load_weights`` (equal across formats: same bytes). Two bounds 
 way: the checkpoint's payload read with ``preadv`` by 2 threads into memory touched
 beforehand, and into fresh memory.
 
-Targets (printed, never asserted): asyncslab's ``load_weights`` >= 2x faster than the
-fastest of vLLM's own formats in the same run; peak RSS growth <= parameters + staging +
-64 MiB. On a GPU machine with vLLM, ``--device cuda`` runs the same comparison.
+The paths (``--paths``, all by default), each a row of asyncslab against ``auto``:
+
+* ``warm``: the first load, the page cache warm (every contender);
+* ``cold``: the first load with the model's files out of the page cache: dropped with
+  ``/proc/sys/vm/drop_caches`` under ``--drop-caches``, else evicted file by file with
+  ``posix_fadvise(DONTNEED)``; what stayed resident is checked with ``mincore`` and shown;
+* ``direct``: ``model.load_weights(loader.get_all_weights(...))`` into the live parameters
+  before processing (the body of a reload, in the warm child);
+* ``reload``: vLLM's ``reload_weights`` after ``process_weights_after_loading`` (the path
+  RL trainers take; vLLM's re-processing included; in the warm child), with a checksum of
+  every processed parameter after it;
+* ``float32``: the bfloat16 checkpoint served in float32 (every tensor cast by vLLM's loaders).
+
+Targets (printed, never asserted): on every row asyncslab's median at most 1.05x ``auto``'s;
+on the first-load rows asyncslab at least 2x faster than the fastest of vLLM's own formats
+in the same run; peak RSS growth <= parameters + staging + 64 MiB. On a GPU machine with
+vLLM, ``--device cuda`` runs the same comparison.
 """
 
 from __future__ import annotations
@@ -42,8 +56,16 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     },
     "runai_streamer": {"load_format": "runai_streamer"},
     "asyncslab": {"load_format": "asyncslab"},
+    # Huge pages off: what asking for them under the parameters changes, in the same run.
+    "asyncslab-4k": {"load_format": "asyncslab", "env": {"ASYNCSLAB_HUGE_PAGES": "0"}},
 }
 BOUNDS = ("bound-preadv-touched", "bound-preadv-fresh")
+#: The paths besides the warm first load, and who runs them (asyncslab against auto).
+PATHS = ("warm", "cold", "direct", "reload", "float32")
+PAIR = ("auto", "asyncslab")
+#: asyncslab's median over auto's, at most, on every row; the first-load rows' speed-up.
+RATIO_TARGET = 1.05
+FIRST_LOAD_SPEEDUP = 2.0
 OWN = ("auto", "safetensors", "auto-multithread", "runai_streamer")  # vLLM's formats
 
 BENCH_MODEL: dict[str, Any] = {
@@ -82,7 +104,19 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def child_load(model: str, contender: str, device: str) -> dict[str, Any]:
+def _checksum(model: Any) -> int:
+    import torch
+
+    checksum = 0
+    for p in model.parameters():
+        flat = p.detach().reshape(-1).view(torch.uint8)
+        checksum = (checksum * 1000003 + int(flat[::4093].to(torch.int64).sum())) % (1 << 61)
+    return checksum
+
+
+def child_load(model: str, contender: str, device: str, mode: str = "warm") -> dict[str, Any]:
+    """One first load (``mode``: ``warm`` and ``cold`` in bfloat16, ``float32`` served so);
+    a warm child of the pair also times the two reloads."""
     import gc
 
     import torch
@@ -99,11 +133,12 @@ def child_load(model: str, contender: str, device: str) -> dict[str, Any]:
     config = EngineArgs(
         model=model,
         load_format=spec["load_format"],
-        dtype="bfloat16",
+        dtype="float32" if mode == "float32" else "bfloat16",
         max_model_len=256,
         enforce_eager=True,
         model_loader_extra_config=spec.get("extra", {}),
     ).create_engine_config()
+    out: dict[str, Any] = {"contender": contender, "mode": mode}
     with set_current_vllm_config(config):
         init_distributed_environment(
             world_size=1,
@@ -117,30 +152,24 @@ def child_load(model: str, contender: str, device: str) -> dict[str, Any]:
         target = torch.device(device)
         with set_default_torch_dtype(config.model_config.dtype), target:
             model_ = loader.create_model(vllm_config=config, model_config=config.model_config)
-        params = sum(p.numel() * p.element_size() for p in model_.parameters())
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in model_.parameters())
         ptrs = [p.data_ptr() for p in model_.parameters()]
         gc.collect()
         rss_before = _rss()
         _reset_peak()
-        t0 = time.perf_counter()
-        loader.load_weights(model_, config.model_config)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        peak = _peak()
-        kept = ptrs == [p.data_ptr() for p in model_.parameters()]
-        checksum = 0
-        for p in model_.parameters():
-            flat = p.detach().reshape(-1).view(torch.uint8)
-            checksum = (checksum * 1000003 + int(flat[::4093].to(torch.int64).sum())) % (1 << 61)
+        out["load_weights_s"] = _timed(device, loader.load_weights, model_, config.model_config)
+        out["peak_rss_growth"] = _peak() - rss_before
+        out["pointers_kept"] = ptrs == [p.data_ptr() for p in model_.parameters()]
+        out["checksum"] = _checksum(model_)
         report = getattr(loader, "report", None)
-        # The same load again, into the parameters now touched (a weight reload): what
-        # reading costs without faulting fresh memory.
-        r0 = time.perf_counter()
-        loader.load_weights(model_, config.model_config)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        reload_s = time.perf_counter() - r0
+        out["transformed"] = None if report is None else len(report.transformed)
+        out["capture_s"] = None if report is None else report.capture_s
+        out["reads_s"] = None if report is None else report.load_s
+        reloads = mode == "warm" and contender in PAIR
+        if reloads:
+            weights = loader.get_all_weights(config.model_config, model_)
+            out["direct_s"] = _timed(device, model_.load_weights, weights)
+            out["direct_checksum"] = _checksum(model_)
         t2 = time.perf_counter()
         gc.collect()
         t3 = time.perf_counter()
@@ -148,20 +177,23 @@ def child_load(model: str, contender: str, device: str) -> dict[str, Any]:
         t4 = time.perf_counter()
         gc.collect()
         t5 = time.perf_counter()
-    return {
-        "contender": contender,
-        "load_weights_s": t1 - t0,
-        "process_weights_s": t4 - t3,
-        "gc_s": (t3 - t2) + (t5 - t4),
-        "param_bytes": params,
-        "peak_rss_growth": peak - rss_before,
-        "pointers_kept": kept,
-        "checksum": checksum,
-        "reload_s": reload_s,
-        "transformed": None if report is None else len(report.transformed),
-        "capture_s": None if report is None else report.capture_s,
-        "reads_s": None if report is None else report.load_s,
-    }
+        out.update(process_weights_s=t4 - t3, gc_s=(t3 - t2) + (t5 - t4))
+        if reloads:
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            out["reload_s"] = _timed(device, reload_weights, config, model_, None, None, True)
+            out["reload_checksum"] = _checksum(model_)
+    return out
+
+
+def _timed(device: str, fn: Any, *args: Any) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    fn(*args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def child_bound(model: str, contender: str, device: str) -> dict[str, Any]:
@@ -215,29 +247,61 @@ def child_bound(model: str, contender: str, device: str) -> dict[str, Any]:
     }
 
 
-def _child(model: str, contender: str, device: str) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", contender, "--model", model, "--device", device]
+def _child(model: str, contender: str, device: str, mode: str = "warm") -> dict[str, Any]:
+    command = [sys.executable, __file__, "--child", contender, "--model", model]
+    command += ["--device", device, "--mode", mode]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env.update(CONTENDERS.get(contender, {}).get("env", {}))
     run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     line = next((x for x in reversed(run.stdout.splitlines()) if x.startswith("{")), None)
     if run.returncode != 0 or line is None:
-        return {"contender": contender, "error": (run.stderr or run.stdout)[-2000:]}
+        return {"contender": contender, "mode": mode, "error": (run.stderr or run.stdout)[-2000:]}
     result: dict[str, Any] = json.loads(line)
     return result
 
 
+def _files(model: Path) -> list[Path]:
+    return sorted(model.glob("*.safetensors"))
+
+
 def _warm(model: Path) -> None:
-    for f in model.glob("*.safetensors"):
+    for f in _files(model):
         with f.open("rb") as fh:
             while fh.read(64 << 20):
                 pass
 
 
+def _evict(model: Path, drop_caches: bool) -> float:
+    """Take the model's files out of the page cache; return the share still resident
+    (``mincore``; the package's own bench helpers, which fsync and fadvise each file)."""
+    from asyncslab.cli._bench.runner import _cached_share, _drop_cache
+
+    if drop_caches:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        share = _cached_share(_files(model))
+    else:
+        share = _drop_cache(_files(model))
+    return float("nan") if share is None else share
+
+
+def _summary(runs: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    times = [x[key] for x in runs if "error" not in x and x.get(key) is not None]
+    if not times:
+        return None
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "n": len(times),
+    }
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| contender | load_weights | GB/s | process_weights_after_loading | gc.collect x2 "
-        "| peak RSS growth | reload into touched memory | pointers kept |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| peak RSS growth | pointers kept |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         if "error" in r:
@@ -248,103 +312,213 @@ def _table(rows: list[dict[str, Any]]) -> str:
             f"| {r['contender']} | {r['median_s']:.2f} s ({r['min_s']:.2f}-{r['max_s']:.2f}) "
             f"| {gbps:.2f} | {r.get('process_weights_s', float('nan')):.2f} s "
             f"| {r.get('gc_s', float('nan')):.2f} s | {r['peak_rss_growth'] / 2**20:,.0f} MiB "
-            f"| {r.get('reload_s', float('nan')):.2f} s | {r.get('pointers_kept', '-')} |"
+            f"| {r.get('pointers_kept', '-')} |"
         )
     return "\n".join(lines)
+
+
+#: Per path: the children's mode, the figure timed, what the row is.
+ROWS: dict[str, tuple[str, str, str]] = {
+    "warm": ("warm", "load_weights_s", "first load, page cache warm"),
+    "cold": ("cold", "load_weights_s", "first load, model's files out of the page cache"),
+    "direct": ("warm", "direct_s", "model.load_weights(get_all_weights()), live parameters"),
+    "reload": ("warm", "reload_s", "vLLM's reload_weights after processing"),
+    "float32": ("float32", "load_weights_s", "bfloat16 checkpoint served in float32"),
+}
+
+
+def _paths_table(results: dict[str, dict[str, list[dict[str, Any]]]], paths: list[str]) -> str:
+    """One row per path: asyncslab against auto (medians, ranges), the ratio, the target."""
+    lines = [
+        "| path | asyncslab | auto | asyncslab / auto | target |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for path in paths:
+        mode, key, what = ROWS[path]
+        ours = _summary(results[mode].get("asyncslab", []), key)
+        theirs = _summary(results[mode].get("auto", []), key)
+        if ours is None or theirs is None:
+            lines.append(f"| {path}: {what} | failed | | | |")
+            continue
+        ratio = ours["median_s"] / theirs["median_s"]
+        met = "met" if ratio <= RATIO_TARGET else "missed"
+        lines.append(
+            f"| {path}: {what} | {ours['median_s']:.2f} s ({ours['min_s']:.2f}-"
+            f"{ours['max_s']:.2f}) | {theirs['median_s']:.2f} s ({theirs['min_s']:.2f}-"
+            f"{theirs['max_s']:.2f}) | {ratio:.2f}x | <= {RATIO_TARGET}x: {met} |"
+        )
+    return "\n".join(lines)
+
+
+def _jobs(names: list[str], paths: list[str]) -> list[tuple[str, str]]:
+    """A round's children, as (mode, contender)."""
+    jobs: list[tuple[str, str]] = []
+    if "warm" in paths:
+        jobs += [("warm", n) for n in names]
+    elif {"direct", "reload"} & set(paths):
+        jobs += [("warm", n) for n in PAIR if n in names]
+    for mode in ("cold", "float32"):
+        if mode in paths:
+            jobs += [(mode, n) for n in (*PAIR, "asyncslab-4k") if n in names]
+    return jobs
+
+
+def _rounds(
+    model: Path, args: argparse.Namespace, jobs: list[tuple[str, str]]
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for r in range(args.rounds):
+        for mode, name in jobs if r % 2 == 0 else jobs[::-1]:
+            resident = None
+            if mode == "cold":
+                resident = _evict(model, args.drop_caches)
+            else:
+                _warm(model)
+            result = _child(str(model), name, args.device, mode)
+            if resident is not None:
+                result["resident_before"] = resident
+            results.setdefault(mode, {}).setdefault(name, []).append(result)
+            shown = [
+                f"{key.removesuffix('_s')} {result[key]:.3f} s"
+                for key in ("load_weights_s", "direct_s", "reload_s")
+                if result.get(key) is not None
+            ]
+            extra = "" if resident is None else f" (resident before: {resident:.1%})"
+            print(
+                f"  round {r + 1} {mode} {name}: {', '.join(shown) or 'failed'}{extra}", flush=True
+            )
+    return results
+
+
+def _warm_rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    rows = []
+    for name, got in runs.items():
+        good = [x for x in got if "error" not in x]
+        if not good:
+            rows.append({"contender": name, "error": got[0]["error"]})
+            continue
+        row = {**good[0], **(_summary(good, "load_weights_s") or {})}
+        for key in ("process_weights_s", "gc_s", "peak_rss_growth", "capture_s", "reads_s"):
+            values = [x[key] for x in good if x.get(key) is not None]
+            if values:
+                row[key] = statistics.median(values)
+        row["checksums"] = sorted({x.get("checksum") for x in good} - {None})
+        rows.append(row)
+    return rows
+
+
+def _checks(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    """The bytes checks: per mode, every format's checksums equal; a direct reload leaves
+    what the first load did; vLLM's reload the same processed bytes for both formats."""
+    out = []
+    for mode, runs in results.items():
+        for key in ("checksum", "direct_checksum", "reload_checksum"):
+            sums = {
+                n: sorted({x[key] for x in got if x.get(key) is not None})
+                for n, got in runs.items()
+            }
+            sums = {n: v for n, v in sums.items() if v}
+            if sums:
+                same = len({tuple(v) for v in sums.values()}) == 1
+                out.append(f"{mode} {key}s: {'equal' if same else sums}")
+    for got in results.get("warm", {}).values():
+        for x in got:
+            if x.get("direct_checksum") not in (None, x.get("checksum")):
+                out.append(f"{x['contender']}: direct reload changed the bytes")
+    return out
+
+
+def _targets(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
+    out = []
+    for mode in ("warm", "cold"):
+        runs = results.get(mode, {})
+        ours = _summary(runs.get("asyncslab", []), "load_weights_s")
+        own = {n: _summary(runs[n], "load_weights_s") for n in OWN if n in runs}
+        own = {n: v for n, v in own.items() if v is not None}
+        if ours is None or not own:
+            continue
+        fastest = min(own, key=lambda n: own[n]["median_s"])  # type: ignore[index]
+        speedup = own[fastest]["median_s"] / ours["median_s"]  # type: ignore[index]
+        met = "met" if speedup >= FIRST_LOAD_SPEEDUP else "missed"
+        out.append(
+            f"{mode} first load: asyncslab {speedup:.2f}x faster than the fastest of vLLM's "
+            f"own formats here ({fastest}); target >= {FIRST_LOAD_SPEEDUP}x: {met}"
+        )
+    ours_rows = [r for r in _warm_rows(results.get("warm", {})) if r["contender"] == "asyncslab"]
+    if ours_rows and "error" not in ours_rows[0]:
+        ours = ours_rows[0]
+        budget = ours["param_bytes"] + (64 << 20)
+        out.append(
+            f"asyncslab peak RSS growth {ours['peak_rss_growth'] / 2**20:,.0f} MiB; "
+            f"target <= parameters + staging + 64 MiB = {budget / 2**20:,.0f} MiB"
+        )
+    for mode, runs in results.items():
+        on = _summary(runs.get("asyncslab", []), "load_weights_s")
+        off = _summary(runs.get("asyncslab-4k", []), "load_weights_s")
+        if on is not None and off is not None:
+            out.append(
+                f"{mode} first load, asyncslab with huge pages {on['median_s']:.2f} s "
+                f"({on['min_s']:.2f}-{on['max_s']:.2f}), without {off['median_s']:.2f} s "
+                f"({off['min_s']:.2f}-{off['max_s']:.2f})"
+            )
+    resident = [x.get("resident_before") for x in _all(results.get("cold", {}))]
+    resident = [r for r in resident if r is not None]
+    if resident:
+        out.append(f"cold rows: at most {max(resident):.1%} of the files resident before a load")
+    return out
+
+
+def _all(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [x for got in runs.values() for x in got]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="a model directory (default: write the bench model)")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-vllm-bench"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--only", help="comma-separated contenders")
+    ap.add_argument("--paths", default=",".join(PATHS), help=f"of {', '.join(PATHS)}")
+    ap.add_argument("--drop-caches", action="store_true", help="cold: drop the whole cache")
     ap.add_argument("--json")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="warm", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        fn = child_bound if args.child in BOUNDS else child_load
-        print(json.dumps(fn(args.model, args.child, args.device)))
+        if args.child in BOUNDS:
+            print(json.dumps(child_bound(args.model, args.child, args.device)))
+        else:
+            print(json.dumps(child_load(args.model, args.child, args.device, args.mode)))
         return
     if args.model:
         model = Path(args.model)
     else:
         model = Path(args.workdir) / "mixtral-bench"
         if not (model / "config.json").exists():
-            from tests.vllm_models import write_model
+            from tests.engines.vllm_models import write_model
 
             print(f"writing the bench model into {model} ...", flush=True)
             write_model(model, "mixtral", shards=4, **BENCH_MODEL)
     names = [*CONTENDERS, *BOUNDS]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
-    size = sum(f.stat().st_size for f in model.glob("*.safetensors"))
-    print(f"model {model}: {size / 1e9:.3f} GB; {args.rounds} rounds of {', '.join(names)}")
-    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        _warm(model)
-        for name in names if r % 2 == 0 else names[::-1]:
-            result = _child(str(model), name, args.device)
-            results[name].append(result)
-            shown = result.get("load_weights_s")
-            print(
-                f"  round {r + 1} {name}: " + (f"{shown:.3f} s" if shown else "failed"), flush=True
-            )
+    paths = [p for p in args.paths.split(",") if p in ROWS]
+    size = sum(f.stat().st_size for f in _files(model))
+    jobs = _jobs(names, paths)
+    print(f"model {model}: {size / 1e9:.3f} GB; {args.rounds} rounds of {len(jobs)} loads")
+    results = _rounds(model, args, jobs)
     if args.json:  # the raw runs first: a fault below must not lose them
         Path(args.json).write_text(json.dumps({"model_bytes": size, "runs": results}, indent=1))
-    rows = []
-    for name, runs in results.items():
-        good = [x for x in runs if "error" not in x]
-        if not good:
-            rows.append({"contender": name, "error": runs[0]["error"]})
-            continue
-        times = [x["load_weights_s"] for x in good]
-        row = {
-            **good[0],
-            "median_s": statistics.median(times),
-            "min_s": min(times),
-            "max_s": max(times),
-        }
-        for key in (
-            "process_weights_s",
-            "gc_s",
-            "peak_rss_growth",
-            "reload_s",
-            "capture_s",
-            "reads_s",
-        ):
-            values = [x[key] for x in good if x.get(key) is not None]
-            if values:
-                row[key] = statistics.median(values)
-        row["checksums"] = sorted({x.get("checksum") for x in good} - {None})
-        rows.append(row)
+    rows = _warm_rows(results.get("warm", {}))
     print()
-    print(_table(rows))
-    by = {r["contender"]: r for r in rows if "error" not in r}
-    own = [by[n]["median_s"] for n in OWN if n in by]
-    if "asyncslab" in by and own:
-        ours = by["asyncslab"]
-        best = min(own)
-        fastest = min((n for n in OWN if n in by), key=lambda n: by[n]["median_s"])
-        print(
-            f"\nasyncslab load_weights: {best / ours['median_s']:.2f}x faster than the fastest "
-            f"of vLLM's own formats ({fastest}, {best:.2f} s); goal >= 2x"
-        )
-        print(
-            f"asyncslab's load_weights: recording {ours['capture_s']:.3f} s, reads "
-            f"{ours['reads_s']:.3f} s (medians); reload into touched memory "
-            f"{min(by[n]['reload_s'] for n in OWN if n in by) / ours['reload_s']:.2f}x faster "
-            "than the fastest of vLLM's own"
-        )
-        budget = ours["param_bytes"] + (64 << 20)
-        print(
-            f"asyncslab peak RSS growth {ours['peak_rss_growth'] / 2**20:,.0f} MiB; "
-            f"goal <= parameters + staging + 64 MiB = {budget / 2**20:,.0f} MiB"
-        )
-        sums = {n: by[n].get("checksums") for n in by if by[n].get("checksums")}
-        same = len({tuple(v) for v in sums.values()}) == 1
-        print(f"parameter checksums after load_weights: {'equal' if same else sums}")
+    if rows:
+        print(_table(rows))
+        print()
+    print(_paths_table(results, [p for p in paths if p in ROWS]))
+    print()
+    for line in [*_targets(results), *_checks(results)]:
+        print(line)
     if args.json:
         Path(args.json).write_text(
             json.dumps({"model_bytes": size, "rows": rows, "runs": results}, indent=1)

@@ -6,12 +6,15 @@ kernel offers transparent huge pages on request (``/sys/kernel/mm/transparent_hu
 enabled`` is ``madvise`` or ``always``), ``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned
 inside of each large storage makes its first touch fault once per 2 MiB instead. Where they
 are off, or the call is refused, nothing changes: the memory faults in 4 KiB pages as before.
+``ASYNCSLAB_HUGE_PAGES=0`` in the environment leaves them off (a host where the kernel's
+compaction for a huge page costs more than the faults it saves).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,8 +29,9 @@ _ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def huge_pages_offered() -> bool:
-    """Whether this kernel gives transparent huge pages to memory that asks for them."""
-    if not sys.platform.startswith("linux"):
+    """Whether this kernel gives transparent huge pages to memory that asks for them (and
+    the environment does not turn them off)."""
+    if not sys.platform.startswith("linux") or os.environ.get("ASYNCSLAB_HUGE_PAGES") == "0":
         return False
     try:
         mode = _ENABLED.read_text()

@@ -51,6 +51,12 @@ def test_nothing_is_advised_where_huge_pages_are_off(
     assert advise_huge_pages([torch.empty(9 * HUGE_PAGE, dtype=torch.uint8)]) == 0
 
 
+def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCSLAB_HUGE_PAGES", "0")
+    assert not huge_pages_offered()
+    assert advise_huge_pages([torch.empty(9 * HUGE_PAGE, dtype=torch.uint8)]) == 0
+
+
 def test_meta_and_small_tensors_are_left_alone() -> None:
     assert advise_huge_pages([torch.empty(HUGE_PAGE * 4, device="meta")]) == 0
     assert advise_huge_pages([torch.empty(16)]) == 0

@@ -589,23 +589,34 @@ def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
 def test_the_benchmark_compares_formats_on_the_same_bytes(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
-    """benchmarks/vllm_bench.py, one round of two formats and a bound on the tiny Mixtral:
-    both load the same parameter bytes (its checksum), keep vLLM's pointers, and the
-    report has every phase."""
+    """benchmarks/vllm_bench.py, one round of two formats and a bound on the tiny Mixtral,
+    warm, cold and through vLLM's reload: both formats load the same parameter bytes (its
+    checksums, after the first load and after the reloads), keep vLLM's pointers; the cold
+    loads say how much of the files was resident; the report has every phase and a row per
+    path."""
     run = subprocess.run(
         [
             sys.executable, str(HERE.parents[1] / "benchmarks" / "vllm_bench.py"),
-            "--model", str(models["mixtral"]), "--rounds", "1",
+            "--model", str(models["mixtral"]), "--rounds", "1", "--paths", "warm,cold,reload",
             "--only", "auto,asyncslab,bound-preadv-fresh", "--json", str(tmp_path / "b.json"),
         ],
-        env=_env(), capture_output=True, text=True, timeout=600, check=False,
+        env=_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "parameter checksums after load_weights: equal" in run.stdout
-    rows = {r["contender"]: r for r in json.loads((tmp_path / "b.json").read_text())["rows"]}
+    for line in ("warm checksums: equal", "warm reload_checksums: equal", "cold checksums: equal"):
+        assert line in run.stdout, run.stdout[-3000:]
+    assert "direct reload changed" not in run.stdout
+    assert "| reload: vLLM's reload_weights after processing |" in run.stdout
+    result = json.loads((tmp_path / "b.json").read_text())
+    rows = {r["contender"]: r for r in result["rows"]}
     assert set(rows) == {"auto", "asyncslab", "bound-preadv-fresh"}
     for name in ("auto", "asyncslab"):
         assert rows[name]["pointers_kept"]
         assert rows[name]["process_weights_s"] >= 0
+        (warm,) = result["runs"]["warm"][name]
+        assert warm["reload_s"] > 0
+        assert warm["direct_checksum"] == warm["checksum"]
+        (cold,) = result["runs"]["cold"][name]
+        assert 0 <= cold["resident_before"] <= 1
     assert rows["asyncslab"]["transformed"] == 0
     assert rows["asyncslab"]["capture_s"] > 0
