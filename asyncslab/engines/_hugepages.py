@@ -16,7 +16,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -66,7 +66,7 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     return advised
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _madvise() -> Callable[[int, int, int], int] | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name, use_errno=True)
