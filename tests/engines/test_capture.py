@@ -16,11 +16,10 @@ from torch import nn
 
 from asyncslab import Checkpoint, SlabSet
 from asyncslab.cli._bench.worker import proc_status
-from asyncslab.engines._recording import capture
-from asyncslab.errors import CaptureError
 from asyncslab.engines._coverage import plan_into
+from asyncslab.engines._recording import capture
 from asyncslab.engines._stream import stream_tensors
-from asyncslab.errors import CoverageError
+from asyncslab.errors import CaptureError, CoverageError
 
 LAYERS, EXPERTS = 2, 3
 
