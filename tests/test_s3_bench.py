@@ -46,6 +46,7 @@ def test_the_proxy_adds_its_latency_and_caps_the_rate(s3_server: SeaweedServer) 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two models, two links, four vLLM processes: minutes on 2 cores
 def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     """Every (link, model, contender) gets a row with a time, or says it is not available
     (a peer or vLLM not installed); none failed; the tables and the targets are printed."""
