@@ -66,7 +66,7 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     seen = {(r["link"], r["model"], r["contender"]): r for r in rows}
-    library = ("asyncslab", "runai-model-streamer", "raw-bound")
+    library = ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads")
     expected = {
         (link, model, contender)
         for link in ("local", "remote")
@@ -77,10 +77,10 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     assert set(seen) == expected
     for key, row in seen.items():
         assert row["status"] == "ok" or row["status"].startswith("not available"), (key, row)
-    for contender in ("asyncslab", "raw-bound"):  # no peer needed: these always run
+    for contender in ("asyncslab", "raw-bound", "raw-bound-threads"):  # these always run
         assert seen[("local", "exl3", contender)]["status"] == "ok"
         assert seen[("remote", "exl3", contender)]["median_s"] > 0
     for link in ("local", "remote"):
         assert f"link {link}" in run.stdout
     assert "targets (measured vs goal; never asserted):" in run.stdout
-    assert "asyncslab / raw bound" in run.stdout
+    assert "asyncslab / the faster raw bound" in run.stdout
