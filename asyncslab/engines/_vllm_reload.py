@@ -31,7 +31,7 @@ from torch import nn
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
-from ..checkpoint._format import Checkpoint, gc_paused
+from ..checkpoint._format import Checkpoint
 from ..cli._progress import format_bytes
 from ..loading._options import LoadOptions
 from ._hugepages import advise_huge_pages
@@ -83,13 +83,13 @@ def reload_tensors(
     placer = None
     if placement is not None:
         placer = Placer(placement, checkpoint, names, resolver(model, reloading(model)))
-    # The collector paused, as for the first load: the reads' many small objects would set
-    # off full passes over the worker's heap, inside the reload.
-    with gc_paused():
-        tensors = stream_tensors(checkpoint, list(vllm_name), options=options, place=placer)
-        with contextlib.closing(tensors):
-            for name, tensor in tensors:
-                yield vllm_name[name], tensor
+    # The collector is not paused here, as it is for the first load: the pause would span
+    # the yields, and a consumer that dropped this iterator inside a reference cycle would
+    # leave it paused for good (only the collector could close the iterator).
+    tensors = stream_tensors(checkpoint, list(vllm_name), options=options, place=placer)
+    with contextlib.closing(tensors):
+        for name, tensor in tensors:
+            yield vllm_name[name], tensor
     report = ReloadReport(
         len(vllm_name),
         0 if placer is None else placer.placed,
