@@ -135,7 +135,9 @@ def resolver(model: nn.Module, in_reload: bool) -> Resolve:
             module = model.get_submodule(module_name)
         except AttributeError:
             return None
-        tensor = getattr(module, attr, None)
+        # The module's own parameter or buffer only: a wrapper (LoRA's) may show its base
+        # layer's weight as an attribute, which is not the module vLLM restores.
+        tensor = module._parameters.get(attr, module._buffers.get(attr))
         if not isinstance(tensor, torch.Tensor):
             return None
         if not in_reload:
