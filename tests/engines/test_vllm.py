@@ -425,7 +425,8 @@ def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
     parameter byte the same; an MoE model exactly what the same reload under ``auto``
     serves. Neither format's MoE reload equals a fresh start on this CPU build: vLLM's
     reload skips the CPU experts' prepacking (docs/vllm.md), which shows here as the
-    experts' ``w13``/``w2`` alone differing from the fresh engine's."""
+    experts' ``w13``/``w2`` alone differing from the fresh engine's. A truncated shard fails
+    the reload with asyncslab's error."""
     llama = write_model(tmp_path / "llama-other", "llama", seed=1, shards=2)
     mixtral = write_model(tmp_path / "mixtral-other", "mixtral", seed=1, shards=2)
     cases = [
@@ -438,7 +439,16 @@ def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
             "format": "auto",
         },
     ]
+    truncated = shutil.copytree(mixtral, tmp_path / "mixtral-truncated")
+    second = sorted(truncated.glob("*.safetensors"))[1]
+    os.truncate(second, second.stat().st_size - 100)
+    cases.append({"name": "truncated", "model": str(models["mixtral"]), "other": str(truncated)})
     result = _worker("reload", cases, tmp_path)
+    # A truncated shard fails the reload with asyncslab's error, from the files' check.
+    broken = result.pop("truncated")
+    assert broken["error"] == "PayloadSizeError", broken
+    assert "AsyncSlabError" in broken["bases"]
+    assert second.name in broken["message"]
     for name, record in result.items():
         assert "error" not in record, (name, record)
         assert record["before"] != record["after"], name  # the weights did change
