@@ -56,8 +56,8 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     },
     "runai_streamer": {"load_format": "runai_streamer"},
     "asyncslab": {"load_format": "asyncslab"},
-    # Huge pages off: what asking for them under the parameters changes, in the same run.
-    "asyncslab-4k": {"load_format": "asyncslab", "env": {"ASYNCSLAB_HUGE_PAGES": "0"}},
+    # Huge pages asked for (they are off by default): what they change, in the same run.
+    "asyncslab-huge": {"load_format": "asyncslab", "env": {"ASYNCSLAB_HUGE_PAGES": "1"}},
 }
 BOUNDS = ("bound-preadv-touched", "bound-preadv-fresh")
 #: The paths besides the warm first load, and who runs them (asyncslab against auto).
@@ -359,7 +359,7 @@ def _jobs(names: list[str], paths: list[str]) -> list[tuple[str, str]]:
         jobs += [("warm", n) for n in PAIR if n in names]
     for mode in ("cold", "float32"):
         if mode in paths:
-            jobs += [(mode, n) for n in (*PAIR, "asyncslab-4k") if n in names]
+            jobs += [(mode, n) for n in (*PAIR, "asyncslab-huge") if n in names]
     return jobs
 
 
@@ -453,8 +453,8 @@ def _targets(results: dict[str, dict[str, list[dict[str, Any]]]]) -> list[str]:
             f"target <= parameters + staging + 64 MiB = {budget / 2**20:,.0f} MiB"
         )
     for mode, runs in results.items():
-        on = _summary(runs.get("asyncslab", []), "load_weights_s")
-        off = _summary(runs.get("asyncslab-4k", []), "load_weights_s")
+        on = _summary(runs.get("asyncslab-huge", []), "load_weights_s")
+        off = _summary(runs.get("asyncslab", []), "load_weights_s")
         if on is not None and off is not None:
             out.append(
                 f"{mode} first load, asyncslab with huge pages {on['median_s']:.2f} s "

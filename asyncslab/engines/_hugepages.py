@@ -6,8 +6,10 @@ kernel offers transparent huge pages on request (``/sys/kernel/mm/transparent_hu
 enabled`` is ``madvise`` or ``always``), ``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned
 inside of each large storage makes its first touch fault once per 2 MiB instead. Where they
 are off, or the call is refused, nothing changes: the memory faults in 4 KiB pages as before.
-``ASYNCSLAB_HUGE_PAGES=0`` in the environment leaves them off (a host where the kernel's
-compaction for a huge page costs more than the faults it saves).
+
+Asked for only with ``ASYNCSLAB_HUGE_PAGES=1`` in the environment: on the development VM a
+huge page's first touch cost more than the 512 small faults it replaces (docs/performance.md),
+and a loader must not be slower than the engine's default where they do not pay.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ _ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def huge_pages_offered() -> bool:
-    """Whether this kernel gives transparent huge pages to memory that asks for them (and
-    the environment does not turn them off)."""
-    if not sys.platform.startswith("linux") or os.environ.get("ASYNCSLAB_HUGE_PAGES") == "0":
+    """Whether huge pages are asked for (``ASYNCSLAB_HUGE_PAGES=1``) and this kernel gives
+    them to memory that asks."""
+    if not sys.platform.startswith("linux") or os.environ.get("ASYNCSLAB_HUGE_PAGES") != "1":
         return False
     try:
         mode = _ENABLED.read_text()

@@ -28,8 +28,25 @@ def _vma_flags(address: int) -> dict[str, str]:
     return fields
 
 
-@pytest.mark.skipif(not huge_pages_offered(), reason="this kernel offers no huge pages")
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCSLAB_HUGE_PAGES", "1")
+
+
+def _kernel_offers() -> bool:
+    try:
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _kernel_offers(),
+    reason="this kernel offers no huge pages",
+)
+@pytest.mark.usefixtures("asked")
 def test_a_large_storage_is_advised_once_and_its_mapping_takes_huge_pages() -> None:
+    assert huge_pages_offered()
     big = torch.empty(9 * HUGE_PAGE, dtype=torch.uint8)
     small = torch.empty(HUGE_PAGE // 2, dtype=torch.uint8)
     advised = advise_huge_pages([big, big[HUGE_PAGE:], small])
@@ -41,6 +58,7 @@ def test_a_large_storage_is_advised_once_and_its_mapping_takes_huge_pages() -> N
     assert "hg" in flags.get("VmFlags", "").split(), flags
 
 
+@pytest.mark.usefixtures("asked")
 def test_nothing_is_advised_where_huge_pages_are_off(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -51,12 +69,19 @@ def test_nothing_is_advised_where_huge_pages_are_off(
     assert advise_huge_pages([torch.empty(9 * HUGE_PAGE, dtype=torch.uint8)]) == 0
 
 
-def test_the_environment_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ASYNCSLAB_HUGE_PAGES", "0")
+@pytest.mark.parametrize("setting", [None, "0", "yes"])
+def test_they_are_asked_for_only_with_the_environment_set_to_1(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    if setting is None:
+        monkeypatch.delenv("ASYNCSLAB_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("ASYNCSLAB_HUGE_PAGES", setting)
     assert not huge_pages_offered()
     assert advise_huge_pages([torch.empty(9 * HUGE_PAGE, dtype=torch.uint8)]) == 0
 
 
+@pytest.mark.usefixtures("asked")
 def test_meta_and_small_tensors_are_left_alone() -> None:
     assert advise_huge_pages([torch.empty(HUGE_PAGE * 4, device="meta")]) == 0
     assert advise_huge_pages([torch.empty(16)]) == 0
