@@ -137,8 +137,9 @@ def load_into_engine(
                 [*into.transformed, *into.skipped],
             )
         )
-    # Before the first touch: the reads (and the engine's loader, for what it transforms)
-    # then fault the parameters in once per huge page instead of once per 4 KiB.
+    # Before the first touch, where huge pages are asked for (off by default, see
+    # _hugepages): the reads (and the engine's loader, for what it transforms) then fault
+    # the parameters in once per huge page instead of once per 4 KiB.
     advise_huge_pages(p for _, p in engine.parameters)
     loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
