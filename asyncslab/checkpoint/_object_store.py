@@ -42,6 +42,7 @@ __all__ = [
     "Found",
     "client",
     "failure_kind",
+    "refused",
     "open_objects",
     "parse_uri",
     "redacted",
@@ -183,7 +184,7 @@ def failure_kind(err: BaseException) -> str:
     return "transient"
 
 
-def _refused(err: Exception, what: str, where: Path, spec: StoreSpec) -> CheckpointError:
+def refused(err: Exception, what: str, where: Path, spec: StoreSpec) -> CheckpointError:
     """A client error while opening, as the checkpoint error a local file would give."""
     kind = failure_kind(err)
     why = redacted(str(err), spec)
@@ -232,7 +233,7 @@ class _ObjectSource:
         try:
             data = bytes(obstore.get(self.store, location.key, options=options).bytes())
         except Exception as err:
-            raise _refused(err, what, self.path, location.store) from None
+            raise refused(err, what, self.path, location.store) from None
         if len(data) != end - start:
             raise CheckpointError(
                 f"{what}: got {len(data)} bytes (object truncated?)",
@@ -263,7 +264,7 @@ def _listing(store: Any, spec: StoreSpec, prefix: str) -> dict[str, dict[str, An
         pages = obstore.list(store, prefix + "/" if prefix else None, chunk_size=1000)
         return {meta["path"]: dict(meta) for page in pages for meta in page}
     except Exception as err:
-        raise _refused(err, f"listing bucket {spec.bucket!r}", where, spec) from None
+        raise refused(err, f"listing bucket {spec.bucket!r}", where, spec) from None
 
 
 def _head(store: Any, spec: StoreSpec, key: str) -> dict[str, Any]:
@@ -273,7 +274,7 @@ def _head(store: Any, spec: StoreSpec, key: str) -> dict[str, Any]:
         return dict(obstore.head(store, key))
     except Exception as err:
         where = ObjectPath.of(spec.scheme, spec.bucket, key)
-        raise _refused(err, "no such object", where, spec) from None
+        raise refused(err, "no such object", where, spec) from None
 
 
 def open_objects(uri: str, storage_options: Mapping[str, object]) -> Found:

@@ -37,8 +37,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from ..checkpoint._format import Checkpoint
-from ..checkpoint._object_store import client, failure_kind, parse_uri, redacted, store_spec
-from ..checkpoint._source import SCHEMES, ObjectPath, StoreSpec
+from ..checkpoint._object_store import client, parse_uri, refused, store_spec
+from ..checkpoint._source import SCHEMES, ObjectPath
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 
 __all__ = ["install", "is_object_uri", "object_weights", "open_checkpoint", "pull_config"]
@@ -165,7 +165,7 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
         pages = obstore.list(store, f"{prefix}/" if prefix else None, chunk_size=1000)
         metas = {meta["path"]: meta for page in pages for meta in page}
     except Exception as err:
-        raise _failed(err, "listing the prefix", where, spec) from None
+        raise refused(err, "listing the prefix", where, spec) from None
     wanted = {
         key: meta
         for key, meta in sorted(metas.items())
@@ -195,7 +195,7 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
                 data = obstore.get(store, key, options=options).bytes()  # type: ignore[arg-type]
             except Exception as err:
                 path = ObjectPath.of(scheme, bucket, key)
-                raise _failed(err, "reading the object", path, spec) from None
+                raise refused(err, "reading the object", path, spec) from None
             dest.write_bytes(bytes(data))
         (staging / _COMPLETE).touch()
         try:
@@ -228,15 +228,6 @@ def _relative(key: str, prefix: str, uri: str) -> str:
             file=ObjectPath.of(*parse_uri(uri)),
         )
     return rest
-
-
-def _failed(err: Exception, what: str, where: Path, spec: StoreSpec) -> CheckpointError:
-    """A client error while pulling, worded as ``Checkpoint.open`` words it: the first line
-    of the client's message, secrets masked, its exception not chained (a debug dump)."""
-    kind = failure_kind(err)
-    why = {"missing": "not found", "denied": "access denied; check the credentials"}
-    error = MissingFileError if kind in why else CheckpointError
-    return error(f"{what}: {why.get(kind, kind)} ({redacted(str(err), spec)})", file=where)
 
 
 def open_checkpoint(uri: str, model: Any) -> tuple[Checkpoint, dict[str, str]]:
