@@ -52,8 +52,29 @@ def assert_bit_identical(slabs: asyncslab.SlabSet, checkpoint: asyncslab.Checkpo
     return result.tensors
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_fds() -> frozenset[tuple[int, str]]:
+    """The process's open file descriptors and what each names, network sockets left out.
+
+    Compare two snapshots for a leak. Network sockets are not the loader's (a local load opens
+    files, never one), and an object-store client cached by an earlier test closes its pooled
+    connections on its own idle timer, at any point of a later test."""
+    unix = _unix_socket_inodes()
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith("socket:[") and target[8:-1] not in unix:
+            continue
+        fds.add((int(name), target))
+    return frozenset(fds)
+
+
+def _unix_socket_inodes() -> set[str]:
+    with open("/proc/self/net/unix") as table:
+        next(table)  # the header
+        return {fields[6] for line in table if len(fields := line.split()) > 6}
 
 
 def io_threads() -> list[threading.Thread]:
