@@ -14,22 +14,39 @@ of what reading a window into fresh memory costs.
 With ``place`` (a reload: :class:`~asyncslab.engines._placement.Placer`), a tensor it
 gives a destination for is read straight into that destination and handed over as a view
 of it; the window holds only the rest.
+
+A tensor of a local file that is not placed is handed over as a view of a private mapping
+of its file, as vLLM's own safetensors reader hands it: the consumer transforms it (a cast
+into another dtype) straight from the page cache, one copy, where reading it into a window
+first would be two, and the second into memory as fresh as the first. The file is opened
+with the load's checks (one changed since planning is refused), and each window's bytes
+are faulted into the mapping before its first tensor is handed over
+(``MADV_POPULATE_READ``: a file truncated since is then a ``ReadError``, not a SIGBUS in
+the consumer), on the consumer's thread: a window ahead on the reading thread would only
+compete for the cores the consumer's transforms already use. A file's mapping goes once
+the reader has moved past it and the consumer holds none of its tensors. Objects in a
+store always go through windows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import queue
 import threading
 from collections.abc import Callable, Coroutine, Generator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
 from ..checkpoint._format import Checkpoint, TensorInfo
-from ..errors import LoadError
+from ..errors import LoadError, ReadError
+from ..loading._load import open_checked
 from ..loading._options import LoadOptions
 from ..loading._slabs import SlabSet
+from ..loading._strategy_mapped import PopulateRegistry
 from ..planning._plan import Plan, plan
 from ..planning._rules import Dense
 
@@ -77,19 +94,23 @@ def stream_tensors(
     window_bytes: int = DEFAULT_WINDOW,
     options: LoadOptions | None = None,
     place: Place | None = None,
+    mapped: bool = True,
 ) -> Generator[tuple[str, torch.Tensor], None, None]:
     """Every tensor of ``checkpoint`` (or those ``names``), in file order, as it is stored:
     its own dtype and shape, in host memory. A failed read raises from the iterator, naming
     what failed; closing the iterator early stops the reads and waits for them to end.
     ``place(name)`` may give a tensor of that dtype and shape to read it into instead (asked
-    on the reading thread, a window ahead of the consumer)."""
+    on the reading thread, a window ahead of the consumer). ``mapped``: a local file's
+    tensors that are not placed are views of a private mapping of the file (writing into
+    one changes neither the file nor a later view); False reads them into windows too."""
     if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes <= 0:
         raise ValueError(f"window_bytes must be a positive int, got {window_bytes!r}")
     wanted = checkpoint.tensors if names is None else {n: _info(checkpoint, n) for n in names}
     order = {f.path: i for i, f in enumerate(checkpoint.files)}
     infos = sorted(wanted.values(), key=lambda t: (order[t.file], t.offset))
     runs = windows(infos, window_bytes)
-    return _Stream(checkpoint, runs, options or LoadOptions(), window_bytes, place).run()
+    stream = _Stream(checkpoint, runs, options or LoadOptions(), window_bytes, place, mapped)
+    return stream.run()
 
 
 def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
@@ -102,9 +123,17 @@ def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
 #: A destination of a tensor's own dtype and shape for it, or None (read into a window).
 Place = Callable[[str], "torch.Tensor | None"]
 
-# What the producer hands over: a loaded window (its tensors' names, its slabs, the memory
-# they lie in), the error that ended it, or its end.
-_Item = tuple[list[str], SlabSet, torch.Tensor] | BaseException | None
+# Bytes [start, end) of a local file (its path, its mapping) that views are handed over of.
+_Span = tuple[Path, torch.Tensor, int, int]
+
+# What the producer hands over: a loaded window (its tensors' names, its slabs or None where
+# it read nothing, the memory they lie in, the views of mapped files among its tensors and
+# the spans of the files they lie in), the error that ended it, or its end.
+_Item = (
+    tuple[list[str], SlabSet | None, torch.Tensor, dict[str, torch.Tensor], list[_Span]]
+    | BaseException
+    | None
+)
 
 
 class _Stream:
@@ -123,9 +152,14 @@ class _Stream:
         options: LoadOptions,
         window_bytes: int,
         place: Place | None = None,
+        mapped: bool = True,
     ) -> None:
         self._checkpoint = checkpoint
         self._place = place
+        self._shards = {f.path: f for f in checkpoint.files}
+        # Each local file's private mapping, opened at its first tensor (producer only).
+        self._maps: dict[Path, torch.Tensor] | None = {} if mapped else None
+        self._populate = PopulateRegistry()
         self._runs = runs
         self._options = options
         self._window_bytes = window_bytes
@@ -153,10 +187,18 @@ class _Stream:
                     raise item
                 if item is None:  # cannot happen before the last window: the producer ends
                     break
-                names, slabs, memory = item
+                names, slabs, memory, views, spans = item
                 del item
+                for span in spans:
+                    self._populated(*span)
+                del spans
                 for name in names:
-                    yield name, slabs.view(name)
+                    view = views.pop(name, None)
+                    if view is None:
+                        assert slabs is not None
+                        view = slabs.view(name)
+                    yield name, view
+                    del view
                     if done is not None:
                         # The last window's memory goes back one tensor into this one: until
                         # the consumer asked for a second tensor here, its loop variable
@@ -178,16 +220,12 @@ class _Stream:
         except RuntimeError:  # the producer's loop has closed: it is done
             pass
 
-    def _memory(self, window: Plan) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Memory for ``window``'s slabs, and the slabs: a destination ``place`` gives, else
-        a view of memory a window before this one lay in, if the consumer holds nothing of
-        it any more, else of new memory."""
-        placed: dict[str, torch.Tensor] = {}
-        if self._place is not None:
-            for name in window.slabs:
-                destination = self._place(name)
-                if destination is not None:
-                    placed[name] = destination
+    def _memory(
+        self, window: Plan, placed: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Memory for ``window``'s slabs, and the slabs: the destination ``placed`` gives,
+        else a view of memory a window before this one lay in, if the consumer holds nothing
+        of it any more, else of new memory."""
         offsets, need = _layout(
             [(name, spec.nbytes) for name, spec in window.slabs.items() if name not in placed]
         )
@@ -242,26 +280,99 @@ class _Stream:
         try:
             for run in self._runs:
                 await tokens.acquire()
-                part = Checkpoint(
-                    checkpoint.root,
-                    checkpoint.files,
-                    {t.name: t for t in run},
-                    checkpoint.index,
-                )
-                window = plan(part, [Dense()])
-                memory, given = self._memory(window)
-                slabs = SlabSet(window, "cpu", tensors=given)
-                del given
-                try:
-                    await slabs.load(part, options=self._options)
-                except BaseException:
-                    await slabs.aclose()
-                    raise
-                self._items.put(([t.name for t in run], slabs, memory))
-                del slabs, memory
+                placed: dict[str, torch.Tensor] = {}
+                if self._place is not None:
+                    for info in run:
+                        destination = self._place(info.name)
+                        if destination is not None:
+                            placed[info.name] = destination
+                views, spans = self._views([t for t in run if t.name not in placed])
+                reads = [t for t in run if t.name not in views]
+                slabs: SlabSet | None = None
+                memory = torch.empty(0, dtype=torch.uint8)
+                if reads:
+                    part = Checkpoint(
+                        checkpoint.root,
+                        checkpoint.files,
+                        {t.name: t for t in reads},
+                        checkpoint.index,
+                    )
+                    window = plan(part, [Dense()])
+                    memory, given = self._memory(window, placed)
+                    slabs = SlabSet(window, "cpu", tensors=given)
+                    del given
+                    try:
+                        await slabs.load(part, options=self._options)
+                    except BaseException:
+                        await slabs.aclose()
+                        raise
+                del placed
+                self._items.put(([t.name for t in run], slabs, memory, views, spans))
+                del slabs, memory, views, spans
             self._items.put(None)
         except asyncio.CancelledError:
             pass  # the consumer stopped: nobody waits for an item
+
+    def _views(self, infos: Sequence[TensorInfo]) -> tuple[dict[str, torch.Tensor], list[_Span]]:
+        """Views of ``infos`` in their files' mappings, for those of local files (none
+        unless ``mapped``), and the span of each file they lie in."""
+        if self._maps is None:
+            return {}, []
+        views: dict[str, torch.Tensor] = {}
+        spans: dict[Path, tuple[int, int]] = {}
+        for info in infos:
+            if self._shards[info.file].source is not None:
+                continue
+            whole = self._map(info.file)
+            start, end = spans.get(info.file, (info.offset, info.offset))
+            spans[info.file] = (min(start, info.offset), max(end, info.offset + info.nbytes))
+            views[info.name] = _view(whole, info)
+        return views, [(path, self._map(path), start, end) for path, (start, end) in spans.items()]
+
+    def _populated(self, path: Path, whole: torch.Tensor, start: int, end: int) -> None:
+        start -= start % mmap.PAGESIZE
+        if end <= start:
+            return
+        try:
+            self._populate.register(whole.data_ptr() + start, end - start)
+        except OSError as err:
+            raise ReadError(
+                f"cannot read the {end - start} bytes at offset {start}: {err.strerror or err}",
+                file=path,
+                offset=start,
+            ) from err
+
+    def _map(self, path: Path) -> torch.Tensor:
+        assert self._maps is not None
+        found = self._maps.get(path)
+        if found is None:
+            # Files are read in order: an earlier one's mapping now lives only in the
+            # consumer's tensors of it, and goes with them.
+            self._maps.clear()
+            shard = self._shards[path]
+            fd = open_checked(
+                path, shard.size, shard.inode, shard.mtime_ns, shards=len(self._shards)
+            )
+            try:
+                # Private: a consumer that writes into a view writes into its own copy of
+                # the page, never into the file.
+                mapping = mmap.mmap(fd, shard.size, access=mmap.ACCESS_COPY)
+            except OSError as err:
+                raise ReadError(f"cannot map: {err.strerror or err}", file=path) from err
+            finally:
+                os.close(fd)
+            found = self._maps[path] = torch.frombuffer(mapping, dtype=torch.uint8)
+        return found
+
+
+def _view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
+    """``info``'s tensor in ``whole``, its file's bytes: a view, or a copy where its offset
+    is not a multiple of its element size (a file the safetensors library did not write),
+    which no view can be."""
+    raw = whole[info.offset : info.offset + info.nbytes]
+    if info.offset % info.dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(info.dtype).view(info.shape)
 
 
 def _layout(sizes: Sequence[tuple[str, int]]) -> tuple[dict[str, int], int]:
