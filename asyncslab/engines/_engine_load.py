@@ -31,6 +31,7 @@ from ..loading._slabs import SlabSet
 from ._coverage import IntoPlan, plan_into
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
+from ._prefault import Prefault
 from ._recording import capture
 from ._stream import runner, stream_tensors
 
@@ -116,32 +117,38 @@ def load_into_engine(
     started = time.perf_counter()
     device = _one_device(engine.parameters)
     names = engine.names if engine.names is not None else {n: n for n in checkpoint.tensors}
-    captured = capture(
-        engine.load,
-        [
-            (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
-            for name, ck in names.items()
-        ],
-        [*engine.parameters, *engine.buffers],
-        device=engine.stand_ins,
-    )
-    recorded = time.perf_counter()
-    into = plan_into(checkpoint, captured, engine.parameters, names=names, optional=engine.optional)
-    if placed is not None:
-        placed(
-            placement(
-                captured,
-                checkpoint,
-                names,
-                [*engine.parameters, *engine.buffers],
-                [*into.transformed, *into.skipped],
-            )
-        )
-    # Before the first touch, where huge pages are asked for (off by default, see
-    # _hugepages): the reads (and the engine's loader, for what it transforms) then fault
-    # the parameters in once per huge page instead of once per 4 KiB.
+    # Before the first touch (the recording's fills are one), where huge pages are asked
+    # for (off by default, see _hugepages): the parameters then fault in once per huge page
+    # instead of once per 4 KiB.
     advise_huge_pages(p for _, p in engine.parameters)
-    loaded = run_sync(_load(checkpoint, into, device, options, progress))
+    # The parameters faulted in on a thread of their own while the loader is recorded and
+    # the checkpoint read (see _prefault); stopped before the engine's loader transforms
+    # tensors, as its casts use every core.
+    with Prefault(p for _, p in engine.parameters):
+        captured = capture(
+            engine.load,
+            [
+                (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
+                for name, ck in names.items()
+            ],
+            [*engine.parameters, *engine.buffers],
+            device=engine.stand_ins,
+        )
+        recorded = time.perf_counter()
+        into = plan_into(
+            checkpoint, captured, engine.parameters, names=names, optional=engine.optional
+        )
+        if placed is not None:
+            placed(
+                placement(
+                    captured,
+                    checkpoint,
+                    names,
+                    [*engine.parameters, *engine.buffers],
+                    [*into.transformed, *into.skipped],
+                )
+            )
+        loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:
         # Handed to the engine's loader a window at a time, as its own reader would: host
