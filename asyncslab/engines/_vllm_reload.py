@@ -15,6 +15,12 @@ later materialization keeps what is no longer meta. A layer vLLM has processed a
 a parameter vLLM does not restore (``bias``), is declined: its tensors go through the
 stream and vLLM's loaders. Outside a reload (``model.load_weights`` on live parameters)
 the parameter itself is the destination, as it is the loader's.
+
+Tensors are placed where the checkpoint is in object storage: there each GET goes straight
+into its parameter, where the stream would read it into a window for vLLM to copy. A local
+checkpoint's bytes are in the page cache already, and handing them over as views of the
+files' mappings (the stream's way, and vLLM's own reader's) for vLLM's one copy measured
+faster here than reading them into the parameters (docs/vllm.md, Performance).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class ReloadReport:
     declined: dict[str, int]
 
 
+#: Place a local checkpoint's tensors too (see the module's docstring; the tests turn it on
+#: to pin the placement inside vLLM with local files).
+PLACE_LOCAL_FILES = False
+
 #: The last reload in this process (a worker's, for ``LLM.collective_rpc``).
 last_reload: ReloadReport | None = None
 
@@ -74,14 +84,15 @@ def reload_tensors(
     log: logging.Logger,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of ``checkpoint`` by vLLM's name (``names``: vLLM's -> checkpoint's),
-    for ``model.load_weights``: those the first load recorded copied whole into one
-    parameter read straight into it (handed over as a view of it, so that vLLM's copy is
-    of the bytes onto themselves), the rest streamed. Runs when first iterated, inside
-    vLLM's ``load_weights``: its reload has restored the layers by then."""
+    for ``model.load_weights``: from object storage, those the first load recorded copied
+    whole into one parameter read straight into it (handed over as a view of it, so that
+    vLLM's copy is of the bytes onto themselves); the rest streamed. Runs when first
+    iterated, inside vLLM's ``load_weights``: its reload has restored the layers by then."""
     vllm_name = {ck: name for name, ck in names.items()}
     placement = _PLACEMENTS.get(model)
     placer = None
-    if placement is not None:
+    objects = any(f.source is not None for f in checkpoint.files)
+    if placement is not None and (objects or PLACE_LOCAL_FILES):
         placer = Placer(placement, checkpoint, names, resolver(model, reloading(model)))
     # The collector is not paused here, as it is for the first load: the pause would span
     # the yields, and a consumer that dropped this iterator inside a reference cycle would

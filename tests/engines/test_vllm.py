@@ -419,8 +419,10 @@ def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """vLLM's ``reload_weights`` (weights_path: another checkpoint of the same architecture)
-    on an engine loaded with the format: every tensor the first load put whole into one
-    parameter is read straight into vLLM's restored parameter (here: all of them). A dense
+    on an engine loaded with the format: local files' tensors go to vLLM's loaders as views
+    of the files' mappings; with placement on (what object storage gets), every tensor the
+    first load put whole into one parameter is read straight into vLLM's restored parameter
+    (here: all of them). Either way a dense
     model then serves exactly what a fresh ``auto`` engine on that checkpoint serves, every
     parameter byte the same; an MoE model exactly what the same reload under ``auto``
     serves. Neither format's MoE reload equals a fresh start on this CPU build: vLLM's
@@ -432,6 +434,13 @@ def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
     cases = [
         {"name": "llama", "model": str(models["llama"]), "other": str(llama), "fresh": True},
         {"name": "mixtral", "model": str(models["mixtral"]), "other": str(mixtral), "fresh": True},
+        {"name": "llama-placed", "model": str(models["llama"]), "other": str(llama), "place": True},
+        {
+            "name": "mixtral-placed",
+            "model": str(models["mixtral"]),
+            "other": str(mixtral),
+            "place": True,
+        },
         {
             "name": "mixtral-auto",
             "model": str(models["mixtral"]),
@@ -454,8 +463,13 @@ def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
         assert record["before"] != record["after"], name  # the weights did change
     for name in ("llama", "mixtral"):
         report = result[name]["report"]
-        assert report["placed"] == report["tensors"], report
-        assert report["declined"] == {}, report
+        assert report["placed"] == 0, report  # local files: views of their mappings
+        placed = result[f"{name}-placed"]
+        assert placed["report"]["placed"] == placed["report"]["tensors"], placed["report"]
+        assert placed["report"]["declined"] == {}, placed["report"]
+        # Placed or not, the same bytes and the same tokens.
+        assert placed["after"] == result[name]["after"], name
+        assert placed["digests"] == result[name]["digests"], name
     assert result["mixtral-auto"]["report"] is None  # auto's reload: asyncslab took no part
     assert result["llama"]["after"] == result["llama"]["fresh"]
     assert result["llama"]["digests"] == result["llama"]["fresh_digests"]

@@ -302,6 +302,7 @@ def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
         record: dict[str, Any] = {}
         fmt = case.get("format", "asyncslab")
         _vllm_reload.last_reload = None  # this case's, not an earlier one's
+        _vllm_reload.PLACE_LOCAL_FILES = bool(case.get("place"))
         llm, record["before"] = _greedy(case, fmt, distributed_executor_backend="uni")
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": case["other"]})
