@@ -4,8 +4,8 @@ The sequence every engine adapter runs, and nothing of any one engine: record th
 loader on stand-ins (:func:`~asyncslab.engines._recording.capture`), plan into the tensors
 it writes with every byte covered once (:func:`~asyncslab.engines._coverage.plan_into`),
 load that plan in place, then hand the tensors the loader transforms (a cast, a computed
-value) to the loader itself, read a window at a time
-(:func:`~asyncslab.engines._stream.stream_tensors`).
+value) to the loader itself, as views of the files' mappings, or from object storage read
+a window at a time (:func:`~asyncslab.engines._stream.stream_tensors`).
 An adapter describes its engine as an :class:`Engine` (its loader, its parameters, the names
 it knows the checkpoint's tensors by) and keeps only its engine's glue: finding the files,
 options from its configuration, its logging, its report.
@@ -151,9 +151,10 @@ def load_into_engine(
         loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:
-        # Handed to the engine's loader a window at a time, as its own reader would: host
-        # memory stays two windows, where the transformed bytes can be the whole checkpoint
-        # (one served in another dtype).
+        # Handed to the engine's loader as its own reader would: views of the files'
+        # mappings, or from object storage a window at a time, so that host memory stays
+        # two windows where the transformed bytes can be the whole checkpoint (one served
+        # in another dtype).
         engine_name = {ck: name for name, ck in names.items()}
         tensors = stream_tensors(checkpoint, list(into.transformed), options=host(options))
         with contextlib.closing(tensors):

@@ -109,6 +109,13 @@ def reload_tensors(
     )
     global last_reload
     last_reload = report
+    if placer is None:
+        log.info(
+            "asyncslab reload: %d tensors handed to vLLM's loaders from %s",
+            report.tensors,
+            "object storage" if objects else "views of the files' mappings",
+        )
+        return
     log.info(
         "asyncslab reload: %d of %d tensors (%s) read straight into vLLM's parameters%s",
         report.placed,
