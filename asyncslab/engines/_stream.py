@@ -19,13 +19,13 @@ A tensor of a local file that is not placed is handed over as a view of a privat
 of its file, as vLLM's own safetensors reader hands it: the consumer transforms it (a cast
 into another dtype) straight from the page cache, one copy, where reading it into a window
 first would be two, and the second into memory as fresh as the first. The file is opened
-with the load's checks (one changed since planning is refused), and each window's bytes
-are faulted into the mapping before its first tensor is handed over
-(``MADV_POPULATE_READ``: a file truncated since is then a ``ReadError``, not a SIGBUS in
-the consumer), on the consumer's thread: a window ahead on the reading thread would only
-compete for the cores the consumer's transforms already use. A file's mapping goes once
-the reader has moved past it and the consumer holds none of its tensors. Objects in a
-store always go through windows.
+with the load's checks (one changed since planning is refused), and each tensor's bytes
+are faulted into the mapping just before it is handed over (``MADV_POPULATE_READ``: a
+file truncated since is then a ``ReadError``, not a SIGBUS in the consumer), on the
+consumer's thread: a window ahead on the reading thread would only compete for the cores
+the consumer's transforms already use, and would hold a window's pages more. A file's
+mapping goes once the reader has moved past it and the consumer holds none of its
+tensors. Objects in a store always go through windows.
 """
 
 from __future__ import annotations
@@ -123,14 +123,14 @@ def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
 #: A destination of a tensor's own dtype and shape for it, or None (read into a window).
 Place = Callable[[str], "torch.Tensor | None"]
 
-# Bytes [start, end) of a local file (its path, its mapping) that views are handed over of.
+# Bytes [start, end) of a local file (its path, its mapping) that a view is handed over of.
 _Span = tuple[Path, torch.Tensor, int, int]
 
 # What the producer hands over: a loaded window (its tensors' names, its slabs or None where
 # it read nothing, the memory they lie in, the views of mapped files among its tensors and
-# the spans of the files they lie in), the error that ended it, or its end.
+# the span of each), the error that ended it, or its end.
 _Item = (
-    tuple[list[str], SlabSet | None, torch.Tensor, dict[str, torch.Tensor], list[_Span]]
+    tuple[list[str], SlabSet | None, torch.Tensor, dict[str, torch.Tensor], dict[str, _Span]]
     | BaseException
     | None
 )
@@ -189,12 +189,11 @@ class _Stream:
                     break
                 names, slabs, memory, views, spans = item
                 del item
-                for span in spans:
-                    self._populated(*span)
-                del spans
                 for name in names:
                     view = views.pop(name, None)
-                    if view is None:
+                    if view is not None:
+                        self._populated(*spans.pop(name))
+                    else:
                         assert slabs is not None
                         view = slabs.view(name)
                     yield name, view
@@ -313,21 +312,22 @@ class _Stream:
         except asyncio.CancelledError:
             pass  # the consumer stopped: nobody waits for an item
 
-    def _views(self, infos: Sequence[TensorInfo]) -> tuple[dict[str, torch.Tensor], list[_Span]]:
+    def _views(
+        self, infos: Sequence[TensorInfo]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, _Span]]:
         """Views of ``infos`` in their files' mappings, for those of local files (none
-        unless ``mapped``), and the span of each file they lie in."""
+        unless ``mapped``), and the span of each."""
         if self._maps is None:
-            return {}, []
+            return {}, {}
         views: dict[str, torch.Tensor] = {}
-        spans: dict[Path, tuple[int, int]] = {}
+        spans: dict[str, _Span] = {}
         for info in infos:
             if self._shards[info.file].source is not None:
                 continue
             whole = self._map(info.file)
-            start, end = spans.get(info.file, (info.offset, info.offset))
-            spans[info.file] = (min(start, info.offset), max(end, info.offset + info.nbytes))
             views[info.name] = _view(whole, info)
-        return views, [(path, self._map(path), start, end) for path, (start, end) in spans.items()]
+            spans[info.name] = (info.file, whole, info.offset, info.offset + info.nbytes)
+        return views, spans
 
     def _populated(self, path: Path, whole: torch.Tensor, start: int, end: int) -> None:
         start -= start % mmap.PAGESIZE
