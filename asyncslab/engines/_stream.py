@@ -123,17 +123,13 @@ def _info(checkpoint: Checkpoint, name: str) -> TensorInfo:
 #: A destination of a tensor's own dtype and shape for it, or None (read into a window).
 Place = Callable[[str], "torch.Tensor | None"]
 
-# Bytes [start, end) of a local file (its path, its mapping) that a view is handed over of.
-_Span = tuple[Path, torch.Tensor, int, int]
+# A tensor of a mapped file: its view, the whole file's mapping, where it lies in it.
+_Mapped = tuple[torch.Tensor, torch.Tensor, TensorInfo]
 
 # What the producer hands over: a loaded window (its tensors' names, its slabs or None where
-# it read nothing, the memory they lie in, the views of mapped files among its tensors and
-# the span of each), the error that ended it, or its end.
-_Item = (
-    tuple[list[str], SlabSet | None, torch.Tensor, dict[str, torch.Tensor], dict[str, _Span]]
-    | BaseException
-    | None
-)
+# it read nothing, the memory they lie in, its tensors of mapped files), the error that
+# ended it, or its end.
+_Item = tuple[list[str], SlabSet | None, torch.Tensor, dict[str, _Mapped]] | BaseException | None
 
 
 class _Stream:
@@ -158,7 +154,9 @@ class _Stream:
         self._place = place
         self._shards = {f.path: f for f in checkpoint.files}
         # Each local file's private mapping, opened at its first tensor (producer only).
-        self._maps: dict[Path, torch.Tensor] | None = {} if mapped else None
+        # None: nothing mapped (a load's files are all local or all objects).
+        local = all(f.source is None for f in checkpoint.files)
+        self._maps: dict[Path, torch.Tensor] | None = {} if mapped and local else None
         self._populate = PopulateRegistry()
         self._runs = runs
         self._options = options
@@ -187,12 +185,13 @@ class _Stream:
                     raise item
                 if item is None:  # cannot happen before the last window: the producer ends
                     break
-                names, slabs, memory, views, spans = item
+                names, slabs, memory, mapped = item
                 del item
                 for name in names:
-                    view = views.pop(name, None)
-                    if view is not None:
-                        self._populated(*spans.pop(name))
+                    if name in mapped:
+                        view, whole, info = mapped.pop(name)
+                        self._populated(whole, info)
+                        del whole
                     else:
                         assert slabs is not None
                         view = slabs.view(name)
@@ -285,8 +284,8 @@ class _Stream:
                         destination = self._place(info.name)
                         if destination is not None:
                             placed[info.name] = destination
-                views, spans = self._views([t for t in run if t.name not in placed])
-                reads = [t for t in run if t.name not in views]
+                mapped = self._views([t for t in run if t.name not in placed])
+                reads = [t for t in run if t.name not in mapped]
                 slabs: SlabSet | None = None
                 memory = torch.empty(0, dtype=torch.uint8)
                 if reads:
@@ -306,30 +305,25 @@ class _Stream:
                         await slabs.aclose()
                         raise
                 del placed
-                self._items.put(([t.name for t in run], slabs, memory, views, spans))
-                del slabs, memory, views, spans
+                self._items.put(([t.name for t in run], slabs, memory, mapped))
+                del slabs, memory, mapped
             self._items.put(None)
         except asyncio.CancelledError:
             pass  # the consumer stopped: nobody waits for an item
 
-    def _views(
-        self, infos: Sequence[TensorInfo]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, _Span]]:
-        """Views of ``infos`` in their files' mappings, for those of local files (none
-        unless ``mapped``), and the span of each."""
+    def _views(self, infos: Sequence[TensorInfo]) -> dict[str, _Mapped]:
+        """``infos`` as views of their files' mappings (none where nothing is mapped)."""
         if self._maps is None:
-            return {}, {}
-        views: dict[str, torch.Tensor] = {}
-        spans: dict[str, _Span] = {}
+            return {}
+        mapped: dict[str, _Mapped] = {}
         for info in infos:
-            if self._shards[info.file].source is not None:
-                continue
             whole = self._map(info.file)
-            views[info.name] = _view(whole, info)
-            spans[info.name] = (info.file, whole, info.offset, info.offset + info.nbytes)
-        return views, spans
+            mapped[info.name] = (_view(whole, info), whole, info)
+        return mapped
 
-    def _populated(self, path: Path, whole: torch.Tensor, start: int, end: int) -> None:
+    def _populated(self, whole: torch.Tensor, info: TensorInfo) -> None:
+        """Fault ``info``'s bytes into ``whole``, its file's mapping."""
+        path, start, end = info.file, info.offset, info.offset + info.nbytes
         start -= start % mmap.PAGESIZE
         if end <= start:
             return
