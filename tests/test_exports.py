@@ -17,6 +17,7 @@ import asyncslab.distributed
 import asyncslab.errors
 import asyncslab.rules
 import asyncslab.testing
+import asyncslab.transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +36,7 @@ def test_all_names_exist_and_nothing_public_is_missing() -> None:
 
 
 # asyncslab.vllm imports vLLM, which sets up process-wide state: its tests run it apart.
-@pytest.mark.parametrize("module", ["errors", "rules", "testing", "distributed"])
+@pytest.mark.parametrize("module", ["errors", "rules", "testing", "distributed", "transformers"])
 def test_each_public_submodule_has_exactly_its_all(module: str) -> None:
     mod = importlib.import_module(f"asyncslab.{module}")
     for name in mod.__all__:
@@ -101,7 +102,14 @@ def test_errors_keep_their_pieces_and_pickle() -> None:
 
 
 # asyncslab.vllm imports vLLM: test_vllm_names_show_asyncslab_vllm checks it apart.
-PUBLIC = [asyncslab, asyncslab.errors, asyncslab.rules, asyncslab.testing, asyncslab.distributed]
+PUBLIC = [
+    asyncslab,
+    asyncslab.errors,
+    asyncslab.rules,
+    asyncslab.testing,
+    asyncslab.distributed,
+    asyncslab.transformers,
+]
 
 
 def _home(module: types.ModuleType, name: str, obj: object) -> str:
@@ -346,11 +354,13 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
     # module registries (binding parameters without a copy), ATen op names (_to_copy and
     # _local_scalar_dense are what .to() and .item() dispatch as), argparse's subparser
     # type, vLLM's list of the files a model loads (so that its format reads those), torch's
-    # count of a storage's users (whether a consumer still holds a window's memory).
+    # count of a storage's users (whether a consumer still holds a window's memory),
+    # transformers' own from_pretrained steps (the keep-in-float32 plan, the finishing).
     allowed_foreign = {
         "_exit", "_getframe", "_replace", "_asdict", "_fields", "_make",
         "_parameters", "_buffers", "_to_copy", "_local_scalar_dense", "_SubParsersAction",
         "_prepare_weights", "_storage_Use_Count", "_cdata",
+        "_get_dtype_plan", "_finalize_model_loading",
     }  # fmt: skip
     root = Path(asyncslab.__file__).parent
     reaching: list[str] = []

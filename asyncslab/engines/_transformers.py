@@ -1,0 +1,586 @@
+"""transformers' ``from_pretrained``, each checkpoint tensor read straight into its slot of
+the model's own (fused) parameters, from local files or object storage.
+
+The sequence: open the checkpoint's headers (:meth:`Checkpoint.open`: a directory, or an
+``s3://``/``gs://``/``az://`` prefix, whose config and generation files are fetched by
+asyncslab's own client); build the model as ``from_pretrained`` builds it (its init context:
+the meta device, no initialisation, no tying); find every checkpoint tensor's parameter and
+view with transformers' own conversion mapping, refusing a missing, extra, misshapen or
+mistyped tensor (:mod:`._transformers_places`); allocate each parameter once, on the
+target device; plan one run per tensor into those views and load it (a
+:class:`~asyncslab.SlabSet` over the model's own tensors). Groups whose conversion is not
+a placement (a transpose, a cast asked for) are read into buffers of their own in the same
+load and handed to transformers' own converter. Then ``from_pretrained``'s own finishing
+steps run (``_finalize_model_loading``: non-persistent buffers such as rotary ``inv_freq``
+computed, tied weights tied), the model is put in eval mode and its generation config read
+(``adjust_generation_fn``). ``tests/engines/test_transformers.py`` fails, never skips, when
+transformers changes what is used here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from ..checkpoint._format import Checkpoint, TensorInfo
+from ..checkpoint._source import SCHEMES, ObjectPath
+from ..errors import (
+    CheckpointError,
+    LoadError,
+    MissingFileError,
+    ShapeMismatchError,
+    UnsafePathError,
+)
+from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
+from ..loading._slabs import SlabSet
+from ..planning._plan import Plan, plan
+from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
+from ._engine_load import run_sync
+from ._transformers_places import Converted, Places, places
+
+__all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
+
+#: The weights, read by the load; every other file under a prefix (config, tokenizer,
+#: generation config, chat template) is fetched.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class TransformersLoad:
+    """What one load did: ``tensors`` checkpoint tensors, ``placed`` of them read straight
+    into their parameters (``bytes``), ``converted`` through transformers' converters (with
+    why), ``skipped`` (tied copies, keys the model ignores). Seconds: building and planning
+    (``prepare_s``), the reads (``load_s``), converting and finishing (``finish_s``)."""
+
+    source: str
+    files: int
+    tensors: int
+    placed: int
+    bytes: int
+    parameters: int
+    converted: Mapping[str, str]
+    skipped: tuple[str, ...]
+    prepare_s: float
+    load_s: float
+    finish_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.prepare_s + self.load_s + self.finish_s
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.load_s / 1e9 if self.load_s > 0 else 0.0
+
+
+def from_pretrained(
+    source: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: Any = None,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Any:
+    """What ``model_class.from_pretrained(source, dtype=dtype, device_map=device)`` returns
+    (eval mode, tied weights sharing storage, buffers, ``generation_config``), every
+    parameter read by asyncslab straight into place.
+
+    ``source``: a checkpoint directory (``config.json`` and safetensors, with or without an
+    index) or an object-store URI (``s3://bucket/prefix``). ``model_class``: any
+    ``PreTrainedModel`` class or auto class (default ``AutoModelForCausalLM``).
+    ``dtype``: ``None`` (or ``"auto"``) keeps the config's, and refuses a tensor of another
+    dtype; a dtype casts to it, as transformers does. ``config`` replaces ``config.json``.
+    ``options`` are :class:`~asyncslab.LoadOptions` fields. Synchronous (a running event
+    loop is left alone: the reads run on a loop of their own thread); see
+    :func:`load_pretrained`."""
+    return load(
+        source,
+        model_class=model_class,
+        dtype=dtype,
+        device=device,
+        config=config,
+        progress=progress,
+        **options,
+    )[0]
+
+
+async def load_pretrained(
+    source: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: Any = None,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> Any:
+    """:func:`from_pretrained` for async code: building the model, planning and converting
+    run on a worker thread, the reads on the caller's event loop, which never blocks."""
+    load_options = LoadOptions(**options)
+    started = time.perf_counter()
+    prepared = await asyncio.to_thread(_prepare, source, model_class, dtype, device, config)
+    try:
+        read = time.perf_counter()
+        statistics = await _read(prepared, load_options, progress)
+        done = time.perf_counter()
+        model, _ = await asyncio.to_thread(
+            _finish, prepared, statistics, read - started, done - read
+        )
+    finally:
+        prepared.close()
+    return model
+
+
+def load(
+    source: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    config: Any = None,
+    progress: ProgressCallback | None = None,
+    **options: Any,
+) -> tuple[Any, TransformersLoad]:
+    """:func:`from_pretrained`, and what the load did."""
+    load_options = LoadOptions(**options)
+    started = time.perf_counter()
+    prepared = _prepare(source, model_class, dtype, device, config)
+    try:
+        read = time.perf_counter()
+        statistics = run_sync(_read(prepared, load_options, progress))
+        done = time.perf_counter()
+        return _finish(prepared, statistics, read - started, done - read)
+    finally:
+        prepared.close()
+
+
+# --- preparing: config, model on meta, places, storage, plan ----------------------------
+
+
+@dataclass(slots=True)
+class _Prepared:
+    source: str
+    files: Path
+    checkpoint: Checkpoint
+    model: Any
+    dtype: torch.dtype
+    dtype_plan: dict[str, torch.dtype]
+    conversions: list[Any]
+    found: Places
+    device: torch.device
+    plan: Plan
+    views: dict[str, torch.Tensor]
+    sources: dict[str, torch.Tensor]
+    temporary: tempfile.TemporaryDirectory[str] | None = None
+    converters: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        if self.temporary is not None:
+            self.temporary.cleanup()
+            self.temporary = None
+
+
+def _prepare(
+    source: str | os.PathLike[str], model_class: Any, dtype: Any, device: Any, config: Any
+) -> _Prepared:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.modeling_utils import ContextManagers  # type: ignore[attr-defined]
+    from transformers.monkey_patching import patch_output_recorders
+
+    where = os.fspath(source)
+    temporary = None
+    if _is_object_uri(where):
+        temporary = tempfile.TemporaryDirectory(prefix="asyncslab-transformers-")
+        files = Path(temporary.name)
+        try:
+            _fetch_files(where, files, need_config=config is None)
+        except BaseException:
+            temporary.cleanup()
+            raise
+    else:
+        path = Path(where)
+        files = path if path.is_dir() else path.parent
+    try:
+        checkpoint = Checkpoint.open(where)
+        if config is None:
+            if not (files / "config.json").is_file():
+                raise MissingFileError(
+                    "no config.json beside the checkpoint (or pass config=...)", file=files
+                )
+            config = AutoConfig.from_pretrained(files)
+        config = copy.deepcopy(config)
+        cls = _model_class(model_class or AutoModelForCausalLM, config)
+        target, cast = _dtype(dtype, config, checkpoint)
+        config.dtype = target
+        for sub in getattr(config, "sub_configs", {}):
+            if (sub_config := getattr(config, sub, None)) is not None:
+                sub_config.dtype = target
+        config.name_or_path = where
+        with ContextManagers(cls.get_init_context(target, False, False, None)):
+            model = cls(config)
+            patch_output_recorders(model)
+        dtype_plan = model._get_dtype_plan(target)
+        conversions = get_model_conversion_mapping(model, None, None)
+        dtype_of = _dtype_of(dtype_plan)
+        found = places(
+            model, checkpoint.tensors, conversions, dtype_of=dtype_of, dtype=target, cast=cast
+        )
+        device = torch.device(device)
+        converters = _check_converted(model, found, checkpoint)
+        _allocate(model, found, dtype_of, device)
+        built, views, sources = _plan(checkpoint, model, found, device)
+    except BaseException:
+        if temporary is not None:
+            temporary.cleanup()
+        raise
+    return _Prepared(
+        source=where,
+        files=files,
+        checkpoint=checkpoint,
+        model=model,
+        dtype=target,
+        dtype_plan=dtype_plan,
+        conversions=conversions,
+        found=found,
+        device=device,
+        plan=built,
+        views=views,
+        sources=sources,
+        temporary=temporary,
+        converters=converters,
+    )
+
+
+def _model_class(model_class: Any, config: Any) -> Any:
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    mapping = getattr(model_class, "_model_mapping", None)
+    if mapping is not None:
+        try:
+            return _get_model_class(config, mapping)  # type: ignore[no-untyped-call]
+        except KeyError:
+            raise CheckpointError(
+                f"{model_class.__name__} has no model for config {type(config).__name__} "
+                f"(model_type {getattr(config, 'model_type', None)!r})"
+            ) from None
+    if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
+        return model_class
+    raise TypeError(
+        f"model_class must be a PreTrainedModel class or an auto class, not {model_class!r}"
+    )
+
+
+def _dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> tuple[torch.dtype, bool]:
+    """The model's dtype, and whether tensors of another dtype are cast to it (asked for)."""
+    if dtype is None or dtype == "auto":
+        found = getattr(config, "dtype", None)
+        if isinstance(found, str):
+            found = getattr(torch, found, None)
+        if isinstance(found, torch.dtype):
+            return found, False
+        floats = [i.dtype for i in checkpoint.tensors.values() if i.dtype.is_floating_point]
+        return (floats[0] if floats else torch.get_default_dtype()), False
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is no torch dtype (or 'auto')")
+        dtype = named
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, its name or 'auto', not {dtype!r}")
+    return dtype, True
+
+
+def _dtype_of(dtype_plan: Mapping[str, torch.dtype]) -> Any:
+    """A target's dtype once loaded: the model's, or the ``dtype_plan``'s (modules kept in
+    float32), matched as transformers matches it."""
+    if not dtype_plan:
+        return lambda name, meta: meta.dtype
+    from transformers.core_model_loading import build_glob_alternation
+
+    alternation, by_group, _ = build_glob_alternation(list(dtype_plan))
+
+    def dtype_of(name: str, meta: torch.Tensor) -> torch.dtype:
+        match = alternation.search(name)
+        if match is not None and match.lastgroup is not None:
+            return dtype_plan[by_group[match.lastgroup]]
+        return meta.dtype
+
+    return dtype_of
+
+
+def _check_converted(model: Any, found: Places, checkpoint: Checkpoint) -> dict[str, Any]:
+    """Each converted group's converter, run once on meta stand-ins: its outputs must be
+    the model's targets in their shapes, checked before any read."""
+    from transformers.core_model_loading import WeightConverter
+
+    state = model.state_dict()
+    out: dict[str, Any] = {}
+    for group in found.converted:
+        if not isinstance(group.converter, WeightConverter):
+            continue
+        converter = copy.deepcopy(group.converter)
+        stand_ins = {
+            p: [
+                torch.empty(
+                    checkpoint.tensors[n].shape, dtype=checkpoint.tensors[n].dtype, device="meta"
+                )
+                for n in ns
+            ]
+            for p, ns in group.tensors.items()
+        }
+        result = _run_converter(converter, group, stand_ins, model)
+        for name, value in result.items():
+            if name not in state:
+                raise ShapeMismatchError(
+                    f"transformers' converter makes {name!r}, which "
+                    f"{type(model).__name__} does not have",
+                    tensor=group.names[0],
+                    target=name,
+                )
+            if tuple(value.shape) != tuple(state[name].shape):
+                raise ShapeMismatchError(
+                    f"transformers' converter makes {list(value.shape)} for {name!r}, the model "
+                    f"expects {list(state[name].shape)}",
+                    tensor=group.names[0],
+                    target=name,
+                    expected=tuple(state[name].shape),
+                    got=tuple(value.shape),
+                )
+        out[group.target] = group.converter
+    return out
+
+
+def _run_converter(
+    converter: Any, group: Converted, tensors: Mapping[str, list[torch.Tensor]], model: Any
+) -> dict[str, torch.Tensor]:
+    for pattern, values in tensors.items():
+        # Callables: transformers' synchronous path (``materialize_tensors``) calls each.
+        converter.collected_tensors[pattern] = [lambda t=t: t for t in values]
+    try:
+        result = converter.convert(group.target, model=model, config=model.config)
+    except Exception as err:
+        raise LoadError(
+            f"transformers' converter for {group.target!r} ({group.why}) failed on "
+            f"{list(group.names)[:4]}: {type(err).__name__}: {err}",
+            tensor=group.names[0],
+        ) from err
+    return {k: (v[0] if isinstance(v, list) else v) for k, v in result.items()}
+
+
+def _allocate(model: Any, found: Places, dtype_of: Any, device: torch.device) -> None:
+    """Real storage for every state-dict entry a checkpoint tensor writes, once, on
+    ``device``; tied copies stay on meta until tied, missing buffers for the model to
+    initialise. Each is marked initialised, as ``set_param_for_module`` marks it."""
+    skip = {*found.missing_buffers, *found.missing_tied}
+    for key, meta in model.state_dict(keep_vars=True).items():
+        if key in skip:
+            continue
+        module_path, _, leaf = key.rpartition(".")
+        module = model.get_submodule(module_path) if module_path else model
+        real = torch.empty(meta.shape, dtype=dtype_of(key, meta), device=device)
+        if leaf in module._buffers:
+            module._buffers[leaf] = real
+        else:
+            real = torch.nn.Parameter(real, requires_grad=real.is_floating_point())
+            module._parameters[leaf] = real
+        real._is_hf_initialized = True  # type: ignore[attr-defined]
+
+
+class _Claimed:
+    """A rule that claims what was decided already."""
+
+    def __init__(self, claim: Claim) -> None:
+        self._claim = claim
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        return self._claim
+
+
+def _plan(
+    checkpoint: Checkpoint, model: Any, found: Places, device: torch.device
+) -> tuple[Plan, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One route per placed tensor into its view of the (real) parameter, and one per
+    converted tensor into a buffer of its own on ``device``."""
+    state = model.state_dict(keep_vars=True)
+    specs: list[SlabSpec] = []
+    routes = []
+    views: dict[str, torch.Tensor] = {}
+    sources: dict[str, torch.Tensor] = {}
+
+    def route(info: TensorInfo, name: str, target: str, view: torch.Tensor) -> None:
+        spec = SlabSpec(
+            name=name,
+            unit=unit_of_layer(target),
+            dtype=info.dtype,
+            slot_dims=(),
+            item_shape=(info.numel,),
+            labels={"target": target, "tensor": info.name},
+        )
+        specs.append(spec)
+        routes.append(make_route(info, spec, (), elements=(0, info.numel)))
+        views[name] = view
+
+    for place in found.placed:
+        info = checkpoint.tensors[place.tensor]
+        view = place.view(state[place.target].detach())
+        offset = (
+            view.storage_offset() - state[place.target].storage_offset()
+        ) * view.element_size()
+        route(info, f"{place.target}@{offset}", place.target, view.reshape(-1))
+    for group in found.converted:
+        for name in group.names:
+            info = checkpoint.tensors[name]
+            buffer = torch.empty(info.shape, dtype=info.dtype, device=device)
+            sources[name] = buffer
+            route(info, f"source:{name}", group.target, buffer.view(-1))
+    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=found.skipped)
+    return plan(checkpoint, [_Claimed(claim)]), views, sources
+
+
+# --- reading and finishing --------------------------------------------------------------
+
+
+async def _read(
+    prepared: _Prepared, options: LoadOptions, progress: ProgressCallback | None
+) -> LoadStatistics:
+    slabs = SlabSet(prepared.plan, prepared.device, tensors=prepared.views)
+    try:
+        await slabs.load(prepared.checkpoint, options=options, progress=progress)
+        return slabs.statistics()
+    finally:
+        # The SlabSet only lent itself the model's tensors; closing it frees none of them.
+        await slabs.aclose()
+
+
+def _finish(
+    prepared: _Prepared, statistics: LoadStatistics, prepare_s: float, load_s: float
+) -> tuple[Any, TransformersLoad]:
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    started = time.perf_counter()
+    model = prepared.model
+    with torch.no_grad():
+        for group in prepared.found.converted:
+            _convert(model, group, prepared.sources)
+    prepared.sources.clear()
+    info = LoadStateDictInfo(
+        missing_keys={*prepared.found.missing_buffers, *prepared.found.missing_tied},
+        unexpected_keys=set(),
+        mismatched_keys=set(),
+        conversion_errors={},
+        error_msgs=[],
+        skipped_pp_keys=set(),
+    )
+    config = LoadStateDictConfig(
+        pretrained_model_name_or_path=prepared.source,
+        device_map={"": prepared.device},
+        dtype=prepared.dtype,
+        dtype_plan=prepared.dtype_plan,
+        weight_mapping=prepared.conversions,
+    )
+    type(model)._finalize_model_loading(model, config, info)
+    model.eval()
+    # What from_pretrained keeps for save_pretrained to write the original format again.
+    model._weight_conversions = [c for c in prepared.conversions if c.was_used()]
+    if model.can_generate() and hasattr(model, "adjust_generation_fn"):
+        model.adjust_generation_fn(
+            None,
+            False,
+            False,
+            str(prepared.files),
+            cache_dir=None,
+            force_download=False,
+            proxies=None,
+            local_files_only=True,
+            token=None,
+            revision="main",
+            subfolder="",
+            trust_remote_code=False,
+        )
+    report = TransformersLoad(
+        source=prepared.source,
+        files=len(prepared.checkpoint.files),
+        tensors=len(prepared.checkpoint.tensors),
+        placed=len(prepared.found.placed),
+        bytes=statistics.bytes_landed,
+        parameters=sum(1 for _ in model.parameters()),
+        converted={n: g.why for g in prepared.found.converted for n in g.names},
+        skipped=prepared.found.skipped,
+        prepare_s=prepare_s,
+        load_s=load_s,
+        finish_s=time.perf_counter() - started,
+    )
+    return model, report
+
+
+def _convert(model: Any, group: Converted, sources: Mapping[str, torch.Tensor]) -> None:
+    """A group that is not a placement, through transformers' own converter (or a cast)."""
+    if group.converter is None or not hasattr(group.converter, "operations"):
+        (name,) = group.names
+        model.get_parameter_or_buffer(group.target).copy_(sources[name])
+        return
+    tensors = {p: [sources[n] for n in ns] for p, ns in group.tensors.items()}
+    result = _run_converter(copy.deepcopy(group.converter), group, tensors, model)
+    for name, value in result.items():
+        # copy_ casts: a converted group is one whose dtype change was asked for.
+        model.get_parameter_or_buffer(name).copy_(value)
+
+
+# --- object storage: the files beside the weights ---------------------------------------
+
+
+def _is_object_uri(text: str) -> bool:
+    return "://" in text and text.partition("://")[0] in SCHEMES
+
+
+def _fetch_files(uri: str, into: Path, *, need_config: bool) -> None:
+    """Every object directly under ``uri`` but the weights (config, generation config,
+    tokenizer), into ``into``, by asyncslab's own client (endpoint and credentials from
+    the environment, as for ``Checkpoint.open``)."""
+    import obstore
+
+    from ..checkpoint._object_store import client, parse_uri, refused, store_spec
+
+    scheme, bucket, prefix = parse_uri(uri)
+    scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
+    spec = store_spec(scheme, bucket, {})
+    store = client(spec)
+    where = ObjectPath.of(scheme, bucket, prefix)
+    try:
+        listed = obstore.list_with_delimiter(store, f"{prefix}/" if prefix else None)
+    except Exception as err:
+        raise refused(err, "listing the prefix", where, spec) from None
+    keys = [
+        meta["path"] for meta in listed["objects"] if not meta["path"].endswith(_WEIGHT_SUFFIXES)
+    ]
+    names = {key: PurePosixPath(key).name for key in keys}
+    if need_config and "config.json" not in names.values():
+        raise MissingFileError(
+            f"no config.json under {uri}: transformers needs the model's config beside its "
+            "weights (or pass config=...)",
+            file=where,
+        )
+    for key, name in names.items():
+        if name in ("", ".", "..") or "/" in name:
+            raise UnsafePathError(f"object {key!r} under {uri} has no safe file name", file=where)
+        try:
+            data = obstore.get(store, key).bytes()
+        except Exception as err:
+            raise refused(
+                err, "reading the object", ObjectPath.of(scheme, bucket, key), spec
+            ) from None
+        (into / name).write_bytes(bytes(data))

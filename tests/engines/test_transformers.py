@@ -1,0 +1,339 @@
+"""``asyncslab.transformers.from_pretrained`` against transformers' own ``from_pretrained``
+(real transformers, tiny random models built from configs): every parameter and buffer
+bit-identical, identical logits, tied weights sharing storage, eval mode and the same
+generation config, on each architecture family the conversion mapping fuses differently;
+and bad checkpoints refused naming the tensor, before any payload is read.
+
+The first test fails, and never skips, when transformers changes the API asyncslab uses to
+find destinations and to finish a model (``asyncslab/engines/_transformers*.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import asyncslab.transformers as ast
+from asyncslab.errors import (
+    CoverageError,
+    DtypeMismatchError,
+    PlanError,
+    ShapeMismatchError,
+    UnmatchedTensorError,
+)
+from tests.engines.transformers_models import MODELS, build, save
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_the_transformers_api_asyncslab_relies_on_is_there() -> None:
+    """Not a skip: an upgrade that moves any of these must fail here, loudly."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        build_glob_alternation,
+        dot_natural_key,
+        rename_source_key,
+    )
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.models.auto.auto_factory import _get_model_class
+    from transformers.monkey_patching import patch_output_recorders
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    assert callable(_get_model_class)
+    assert callable(patch_output_recorders)
+    for name in (
+        "get_init_context",
+        "_get_dtype_plan",
+        "_finalize_model_loading",
+        "get_parameter_or_buffer",
+    ):
+        assert hasattr(PreTrainedModel, name), name
+    assert {"device_map", "dtype", "dtype_plan", "weight_mapping"} <= set(
+        inspect.signature(LoadStateDictConfig).parameters
+    )
+    assert {"missing_keys", "unexpected_keys", "mismatched_keys", "skipped_pp_keys"} <= set(
+        inspect.signature(LoadStateDictInfo).parameters
+    )
+    assert list(inspect.signature(rename_source_key).parameters)[:5] == [
+        "source_key",
+        "weight_renamings",
+        "weight_converters",
+        "base_model_prefix",
+        "meta_state_dict",
+    ]
+    assert dot_natural_key("a.10") > dot_natural_key("a.9")
+    assert build_glob_alternation(["x"])[0].search("a.x.weight")
+    # The fusion asyncslab places analytically is still spelled this way for MoE models.
+    model = build("qwen3_moe")
+    fused = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightConverter)]
+    ops = {tuple(type(op) for op in c.operations) for c in fused}
+    assert (MergeModulelist, Concatenate) in ops
+    assert (MergeModulelist,) in ops
+    assert any(isinstance(c, WeightRenaming) for c in get_model_conversion_mapping(model))
+    assert MergeModulelist(dim=0).get_target_pattern(2, "p", ["t"]) == "p"
+    assert Concatenate(dim=1).get_target_pattern(["t"]) == "t"
+    generation = inspect.signature(transformers.GenerationMixin.adjust_generation_fn)
+    assert list(generation.parameters)[1:5] == [
+        "generation_config",
+        "from_auto_class",
+        "from_pipeline",
+        "pretrained_model_name_or_path",
+    ]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def assert_same_model(ref: Any, got: Any) -> None:
+    """Every parameter and buffer bit-identical, same logits, tying, mode and generation."""
+    assert type(got) is type(ref)
+    ref_state, got_state = ref.state_dict(), got.state_dict()
+    assert list(got_state) == list(ref_state)
+    for name, tensor in ref_state.items():
+        mine = got_state[name]
+        assert (mine.dtype, mine.shape, mine.device) == (
+            tensor.dtype,
+            tensor.shape,
+            tensor.device,
+        ), name
+        assert torch.equal(_bits(mine), _bits(tensor)), name
+    ref_buffers, got_buffers = dict(ref.named_buffers()), dict(got.named_buffers())
+    assert list(got_buffers) == list(ref_buffers)
+    for name, buffer in ref_buffers.items():
+        assert got_buffers[name].dtype == buffer.dtype, name
+        assert torch.equal(_bits(got_buffers[name]), _bits(buffer)), name
+    ref_tied = ref.all_tied_weights_keys
+    assert got.all_tied_weights_keys == ref_tied
+    for target, source in ref_tied.items():
+        assert got.get_parameter(target) is got.get_parameter(source), target
+    assert not got.training
+    assert all(not m.training for m in got.modules())
+    assert got.generation_config.to_dict() == ref.generation_config.to_dict()
+    assert got.config.to_dict() == ref.config.to_dict()
+    ids = torch.randint(
+        0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["original", "fused"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_equals_from_pretrained(name: str, fused: bool, tmp_path: Path) -> None:
+    """``original``: per-expert tensors, stacked and concatenated by the mapping, each read
+    into its slot; ``fused``: ``save_pretrained(save_original_format=False)``, the model's
+    own 3-D expert tensors, read whole. Several shards and an index either way."""
+    directory = save(build(name), tmp_path / name, fused=fused)
+    assert (directory / "model.safetensors.index.json").is_file()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model, report = ast.load(directory)
+    assert_same_model(ref, model)
+    assert report.tensors == report.placed + len(report.converted) + len(report.skipped)
+    assert report.files > 1
+    if name != "deepseek_v3":  # its float32 router bias is cast, as transformers casts it
+        assert not report.converted
+    else:
+        assert set(report.converted.values()) == {"cast from torch.bfloat16 to torch.float32"}
+    if name == "llama_tied":
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_each_expert_lands_in_its_slot_of_the_fused_parameter(tmp_path: Path) -> None:
+    """Expert ``e``'s gate fills rows ``[0, I)`` and its up rows ``[I, 2I)`` of
+    ``gate_up_proj[e]``, read straight there (no converter runs)."""
+    directory = save(build("mixtral"), tmp_path / "m")
+    model, report = ast.load(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in directory.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    size = model.config.intermediate_size
+    fused = model.model.layers[1].mlp.experts.gate_up_proj
+    for e in range(model.config.num_local_experts):
+        prefix = f"model.layers.1.block_sparse_moe.experts.{e}"
+        assert torch.equal(fused[e, :size], tensors[f"{prefix}.w1.weight"])
+        assert torch.equal(fused[e, size:], tensors[f"{prefix}.w3.weight"])
+    assert not report.converted
+    assert report.placed == len(tensors)
+
+
+def test_a_cast_asked_for_goes_through_transformers_converter(tmp_path: Path) -> None:
+    """``dtype=torch.float32`` on a bfloat16 checkpoint: the stacked and concatenated experts
+    are cast by transformers' own converter on the bytes asyncslab read."""
+    directory = save(build("qwen2_moe"), tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    model, report = ast.load(directory, dtype=torch.float32)
+    assert_same_model(ref, model)
+    assert report.converted
+    assert report.placed == 0
+    assert all(why.startswith("cast from torch.bfloat16") for why in report.converted.values())
+
+
+def test_load_pretrained_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    directory = save(build("qwen3_moe"), tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+
+    async def main() -> Any:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def tick() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await ast.load_pretrained(directory), ticks
+        finally:
+            done.set()
+            await ticker
+
+    model, ticks = asyncio.run(main())
+    assert_same_model(ref, model)
+    assert ticks > 0
+
+
+def test_an_explicit_model_class_and_config(tmp_path: Path) -> None:
+    directory = save(build("llama_tied"), tmp_path / "m")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    ref = transformers.LlamaForCausalLM.from_pretrained(directory, config=config)
+    model = ast.from_pretrained(directory, model_class=transformers.LlamaForCausalLM, config=config)
+    assert_same_model(ref, model)
+    base = ast.from_pretrained(directory, model_class=transformers.AutoModel)
+    assert type(base).__name__ == "LlamaModel"
+
+
+# --- refusals ---------------------------------------------------------------------------
+
+
+def _rewrite(source: Path, target: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """``source``'s checkpoint as one file, changed by ``change`` (in place)."""
+    target.mkdir()
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    change(tensors)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(source / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save(build("mixtral"), tmp_path_factory.mktemp("mixtral") / "m")
+
+
+def _drop(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def drop(tensors: dict[str, torch.Tensor]) -> None:
+        del tensors[name]
+
+    return drop
+
+
+def _set(name: str, value: torch.Tensor) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda tensors: tensors.__setitem__(name, value)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (
+            _drop("model.layers.1.self_attn.o_proj.weight"),
+            CoverageError,
+            r"'model\.layers\.1\.self_attn\.o_proj\.weight'.*from no checkpoint tensor.*"
+            r"expected 'model\.layers\.1\.self_attn\.o_proj\.weight'",
+        ),
+        (
+            _drop("model.layers.0.block_sparse_moe.experts.2.w3.weight"),
+            CoverageError,
+            r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.2\.w3\.weight'.*stacks 4 "
+            r"tensors.*has 3.*missing index \[2\]",
+        ),
+        (
+            _set(
+                "model.layers.0.block_sparse_moe.experts.9.w1.weight",
+                torch.zeros(16, 32, dtype=torch.bfloat16),
+            ),
+            CoverageError,
+            r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.9\.w1\.weight'.*stacks 4 "
+            r"tensors.*has 5.*unexpected index \[9\]",
+        ),
+        (
+            _set("model.layers.0.self_attn.extra.weight", torch.zeros(4, dtype=torch.bfloat16)),
+            UnmatchedTensorError,
+            r"tensor 'model\.layers\.0\.self_attn\.extra\.weight'.*no place in MixtralForCausalLM",
+        ),
+        (
+            _set(
+                "model.layers.1.self_attn.q_proj.weight", torch.zeros(32, 30, dtype=torch.bfloat16)
+            ),
+            ShapeMismatchError,
+            r"tensor 'model\.layers\.1\.self_attn\.q_proj\.weight': shape \[32, 30\], the model "
+            r"expects \[32, 32\]",
+        ),
+        (
+            _set(
+                "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                torch.zeros(32, 15, dtype=torch.bfloat16),
+            ),
+            ShapeMismatchError,
+            r"tensor 'model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight': shape "
+            r"\[32, 15\], the model expects \[32, 16\] for "
+            r"'model\.layers\.1\.mlp\.experts\.down_proj'",
+        ),
+        (
+            _set("model.norm.weight", torch.ones(32, dtype=torch.float32)),
+            DtypeMismatchError,
+            r"tensor 'model\.norm\.weight': dtype torch\.float32, the model's "
+            r"'model\.norm\.weight' is torch\.bfloat16",
+        ),
+    ],
+    ids=["dense", "expert", "extra-expert", "unexpected", "shape", "expert-shape", "dtype"],
+)
+def test_a_bad_checkpoint_is_refused_naming_the_tensor(
+    mixtral_dir: Path,
+    tmp_path: Path,
+    change: Callable[[dict[str, torch.Tensor]], None],
+    error: type[PlanError],
+    match: str,
+) -> None:
+    """Refused while planning (a :class:`PlanError`), before any payload is read: the
+    bad checkpoint's payload is replaced by zeros after its header, and nothing initialised
+    at random stands in (``from_pretrained`` would load a model missing a tensor)."""
+    directory = _rewrite(mixtral_dir, tmp_path / "bad", change)
+    shard = directory / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(len(data) - header)  # a read would land zeros, not fail
+    shard.write_bytes(bytes(data))
+    with pytest.raises(error, match=match):
+        ast.from_pretrained(directory)
+
+
+def test_a_missing_config_is_named(tmp_path: Path, mixtral_dir: Path) -> None:
+    from asyncslab.errors import MissingFileError
+
+    directory = tmp_path / "m"
+    directory.mkdir()
+    for shard in mixtral_dir.glob("*.safetensors*"):
+        shutil.copy(shard, directory / shard.name)
+    with pytest.raises(MissingFileError, match="no config.json"):
+        ast.from_pretrained(directory)
+    config = json.loads((mixtral_dir / "config.json").read_text())
+    assert config["model_type"] == "mixtral"
