@@ -89,6 +89,7 @@ def from_pretrained(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: Any = None,
+    storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
     **options: Any,
 ) -> Any:
@@ -101,6 +102,8 @@ def from_pretrained(
     ``PreTrainedModel`` class or auto class (default ``AutoModelForCausalLM``).
     ``dtype``: ``None`` (or ``"auto"``) keeps the config's, and refuses a tensor of another
     dtype; a dtype casts to it, as transformers does. ``config`` replaces ``config.json``.
+    ``storage_options`` configure the object-store client (else the environment's
+    ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...; see docs/object-storage.md).
     ``options`` are :class:`~asyncslab.LoadOptions` fields. Synchronous (a running event
     loop is left alone: the reads run on a loop of their own thread); see
     :func:`load_pretrained`."""
@@ -110,6 +113,7 @@ def from_pretrained(
         dtype=dtype,
         device=device,
         config=config,
+        storage_options=storage_options,
         progress=progress,
         **options,
     )[0]
@@ -122,6 +126,7 @@ async def load_pretrained(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: Any = None,
+    storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
     **options: Any,
 ) -> Any:
@@ -129,7 +134,9 @@ async def load_pretrained(
     run on a worker thread, the reads on the caller's event loop, which never blocks."""
     load_options = LoadOptions(**options)
     started = time.perf_counter()
-    prepared = await asyncio.to_thread(_prepare, source, model_class, dtype, device, config)
+    prepared = await asyncio.to_thread(
+        _prepare, source, model_class, dtype, device, config, storage_options
+    )
     try:
         read = time.perf_counter()
         statistics = await _read(prepared, load_options, progress)
@@ -149,13 +156,14 @@ def load(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config: Any = None,
+    storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
     **options: Any,
 ) -> tuple[Any, TransformersLoad]:
     """:func:`from_pretrained`, and what the load did."""
     load_options = LoadOptions(**options)
     started = time.perf_counter()
-    prepared = _prepare(source, model_class, dtype, device, config)
+    prepared = _prepare(source, model_class, dtype, device, config, storage_options)
     try:
         read = time.perf_counter()
         statistics = run_sync(_read(prepared, load_options, progress))
@@ -192,7 +200,12 @@ class _Prepared:
 
 
 def _prepare(
-    source: str | os.PathLike[str], model_class: Any, dtype: Any, device: Any, config: Any
+    source: str | os.PathLike[str],
+    model_class: Any,
+    dtype: Any,
+    device: Any,
+    config: Any,
+    storage_options: Mapping[str, str | bool | int | float] | None,
 ) -> _Prepared:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -205,7 +218,7 @@ def _prepare(
         temporary = tempfile.TemporaryDirectory(prefix="asyncslab-transformers-")
         files = Path(temporary.name)
         try:
-            _fetch_files(where, files, need_config=config is None)
+            _fetch_files(where, files, storage_options or {}, need_config=config is None)
         except BaseException:
             temporary.cleanup()
             raise
@@ -213,7 +226,7 @@ def _prepare(
         path = Path(where)
         files = path if path.is_dir() else path.parent
     try:
-        checkpoint = Checkpoint.open(where)
+        checkpoint = Checkpoint.open(where, storage_options=storage_options)
         if config is None:
             if not (files / "config.json").is_file():
                 raise MissingFileError(
@@ -547,17 +560,23 @@ def _is_object_uri(text: str) -> bool:
     return "://" in text and text.partition("://")[0] in SCHEMES
 
 
-def _fetch_files(uri: str, into: Path, *, need_config: bool) -> None:
+def _fetch_files(
+    uri: str,
+    into: Path,
+    storage_options: Mapping[str, str | bool | int | float],
+    *,
+    need_config: bool,
+) -> None:
     """Every object directly under ``uri`` but the weights (config, generation config,
     tokenizer), into ``into``, by asyncslab's own client (endpoint and credentials from
-    the environment, as for ``Checkpoint.open``)."""
+    the environment and ``storage_options``, as for ``Checkpoint.open``)."""
     import obstore
 
     from ..checkpoint._object_store import client, parse_uri, refused, store_spec
 
     scheme, bucket, prefix = parse_uri(uri)
     scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
-    spec = store_spec(scheme, bucket, {})
+    spec = store_spec(scheme, bucket, storage_options)
     store = client(spec)
     where = ObjectPath.of(scheme, bucket, prefix)
     try:
