@@ -3,14 +3,15 @@ fresh process, interleaved round by round (the order reversed every other round)
 
     python benchmarks/vllm_bench.py [--model DIR] [--rounds 5] [--paths ...] [--json OUT]
 
-Without ``--model`` it writes a Mixtral-like bfloat16 model (18 layers x 8 experts, about
-1.48 GB; kept in ``--workdir``). Per contender and round a child process creates the model
-as vLLM does (``create_model``) and times the loader's ``load_weights`` call,
-``process_weights_after_loading`` and the two ``gc.collect()`` calls vLLM's ``load_model``
-makes; it reports peak RSS growth over the model's creation, and a checksum of every
-parameter after ``load_weights`` (equal across formats: same bytes). Two bounds run the same
-way: the checkpoint's payload read with ``preadv`` by 2 threads into memory touched
-beforehand, and into fresh memory.
+Without ``--model`` it writes a Mixtral-like bfloat16 model (``--shape bench``: 18 layers x 8
+experts, about 1.48 GB; ``moe128``, ``moe256``: 24 layers x 128 or 256 experts on skinny
+dimensions, the tensor counts of real MoE checkpoints; kept in ``--workdir``). Per contender
+and round a child process creates the model as vLLM does (``create_model``) and times the
+loader's ``load_weights`` call, ``process_weights_after_loading`` and the two ``gc.collect()``
+calls vLLM's ``load_model`` makes; it reports peak RSS growth over the model's creation, and
+a checksum of every parameter after ``load_weights`` (equal across formats: same bytes).
+Two bounds run the same way: the checkpoint's payload read with ``preadv`` by 2 threads into
+memory touched beforehand, and into fresh memory.
 
 The paths (``--paths``, all by default), each a row of asyncslab against ``auto``:
 
@@ -78,6 +79,24 @@ BENCH_MODEL: dict[str, Any] = {
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
     "vocab_size": 32000,
+}
+#: The field's expert counts on skinny dimensions (``--shape``): the tensor count of a real
+#: MoE checkpoint (128 or 256 experts a layer) in a few hundred MB.
+_SKINNY: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts_per_tok": 8,
+    "vocab_size": 32000,
+}
+SHAPES: dict[str, dict[str, Any]] = {
+    "bench": BENCH_MODEL,
+    # 24 x (128 x 3 + 7) + 3 = 9,387 tensors, 0.62 GB.
+    "moe128": {**_SKINNY, "intermediate_size": 128, "num_local_experts": 128},
+    # 24 x (256 x 3 + 7) + 3 = 18,603 tensors, 0.64 GB.
+    "moe256": {**_SKINNY, "intermediate_size": 64, "num_local_experts": 256},
 }
 
 
@@ -474,7 +493,14 @@ def _all(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", help="a model directory (default: write the bench model)")
+    ap.add_argument("--model", help="a model directory (default: write --shape's model)")
+    ap.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default="bench",
+        help="the model written without --model: bench (18 layers x 8 experts, 1.48 GB), "
+        "moe128 or moe256 (24 layers x 128 or 256 experts, skinny)",
+    )
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-vllm-bench"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--device", default="cpu")
@@ -494,12 +520,12 @@ def main() -> None:
     if args.model:
         model = Path(args.model)
     else:
-        model = Path(args.workdir) / "mixtral-bench"
+        model = Path(args.workdir) / ("mixtral-bench" if args.shape == "bench" else args.shape)
         if not (model / "config.json").exists():
             from tests.engines.vllm_models import write_model
 
-            print(f"writing the bench model into {model} ...", flush=True)
-            write_model(model, "mixtral", shards=4, **BENCH_MODEL)
+            print(f"writing the {args.shape} model into {model} ...", flush=True)
+            write_model(model, "mixtral", shards=4, **SHAPES[args.shape])
     names = [*CONTENDERS, *BOUNDS]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]

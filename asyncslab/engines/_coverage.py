@@ -1,9 +1,10 @@
 """A plan whose slabs are an engine's own tensors, from a
 :class:`~asyncslab.engines._recording.Capture`.
 
-Each byte run the engine's loader was recorded to copy becomes a slab: a 1-D view of the
-destination's storage at the run's place, and a route reading the run's elements of the
-checkpoint tensor (``make_route(elements=...)``). :func:`asyncslab.plan`'s checks then hold
+Each byte run the engine's loader was recorded to copy becomes a slot, and the runs of one
+size that lie end to end in one destination a slab (a layer's experts in their fused
+parameter: one slab): a view of the destination's storage there, slot by run, and a route
+per run reading its elements of the checkpoint tensor (``make_route(elements=...)``). :func:`asyncslab.plan`'s checks then hold
 as for any plan (dtype, size, the route reading its own tensor's bytes), and a
 :class:`~asyncslab.SlabSet` given those views writes into the engine's memory in place.
 
@@ -19,9 +20,10 @@ layer's) shows which one.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -31,7 +33,7 @@ from ..checkpoint._format import Checkpoint, TensorInfo
 from ..errors import CoverageError
 from ..planning._plan import Plan, plan
 from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
-from ._recording import Capture
+from ._recording import Capture, Run
 
 __all__ = ["IntoPlan", "plan_into"]
 
@@ -79,24 +81,25 @@ def plan_into(
     specs: list[SlabSpec] = []
     routes = []
     views: dict[str, torch.Tensor] = {}
-    for run in captured.runs:
-        target, flat = captured.targets[run.target]
-        source = info(run.tensor)
-        size = source.dtype.itemsize
-        count = run.nbytes // size
-        name = f"{target}@{run.dst}"
+    for target, runs in _grids(captured, info):
+        name, flat = captured.targets[target]
+        first = runs[0]
+        source = info(first.tensor)
+        count = first.nbytes // source.dtype.itemsize
         spec = SlabSpec(
-            name=name,
-            unit=unit_of_layer(target),
+            name=f"{name}@{first.dst}",
+            unit=unit_of_layer(name),
             dtype=source.dtype,
-            slot_dims=(),
+            slot_dims=(len(runs),),
             item_shape=(count,),
-            labels={"target": target, "tensor": run.tensor},
+            labels={"target": name},
         )
-        first = run.src // size
         specs.append(spec)
-        routes.append(make_route(source, spec, (), elements=(first, first + count)))
-        views[name] = flat[run.dst : run.dst + run.nbytes].view(source.dtype)
+        for i, run in enumerate(runs):
+            start = run.src // source.dtype.itemsize
+            routes.append(make_route(info(run.tensor), spec, (i,), elements=(start, start + count)))
+        end = first.dst + len(runs) * first.nbytes
+        views[spec.name] = flat[first.dst : end].view(source.dtype).view(len(runs), count)
     # In checkpoint order, as they will be read.
     why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
     transformed = {n: why[n] for n in tensors if n in why}
@@ -120,6 +123,28 @@ def plan_into(
         fills=len(captured.fills),
         defaulted=defaulted,
     )
+
+
+def _grids(
+    captured: Capture, info: Callable[[str], TensorInfo]
+) -> Iterator[tuple[int, list[Run]]]:
+    """The recorded runs as slabs: per destination, the runs of one size and dtype that lie
+    end to end, each one slot. A layer's experts written into their fused parameter are one
+    slab (a few hundred slots) rather than a slab each: what a plan costs grows with its
+    slabs, and an MoE model has tens of thousands of runs."""
+    by_kind: dict[tuple[int, int, torch.dtype], list[Run]] = defaultdict(list)
+    for run in captured.runs:
+        by_kind[run.target, run.nbytes, info(run.tensor).dtype].append(run)
+    for (target, nbytes, _), runs in by_kind.items():
+        runs.sort(key=_DST)
+        at = 0
+        for i in range(1, len(runs) + 1):
+            if i == len(runs) or runs[i].dst != runs[i - 1].dst + nbytes:
+                yield target, runs[at:i]
+                at = i
+
+
+_DST = operator.attrgetter("dst")
 
 
 class _Claimed:

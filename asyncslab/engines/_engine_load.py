@@ -29,10 +29,10 @@ from ..errors import LoadError
 from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
 from ..loading._slabs import SlabSet
 from ._coverage import IntoPlan, plan_into
+from ._derive import capture_derived
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._prefault import Prefault
-from ._recording import capture
 from ._stream import runner, stream_tensors
 
 __all__ = ["Engine", "EngineLoad", "WeightLoader", "host", "load_into_engine", "run_sync"]
@@ -73,8 +73,10 @@ class EngineLoad:
     ``bytes`` were read straight into the engine's tensors by ``runs`` routes;
     ``transformed`` (checkpoint names, with ``transformed_bytes``) went through the
     engine's loader instead; ``skipped`` it took and dropped; ``defaulted`` are optional
-    parameters no checkpoint tensor wrote. Seconds: recording the loader (``capture_s``),
-    the load, feeding the transformed tensors, and all of it."""
+    parameters no checkpoint tensor wrote. The loader was run on ``recorded`` tensors' stand-ins,
+    the destinations of the others derived from theirs (:mod:`._derive`). Seconds: recording
+    the loader (``capture_s``), planning from it with every byte checked (``plan_s``), the
+    load, feeding the transformed tensors, and all of it."""
 
     files: int
     tensors: int
@@ -89,6 +91,8 @@ class EngineLoad:
     load_s: float
     transformed_s: float
     total_s: float
+    recorded: int = 0
+    plan_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -125,7 +129,7 @@ def load_into_engine(
     # the checkpoint read (see _prefault); stopped before the engine's loader transforms
     # tensors, as its casts use every core.
     with Prefault(p for _, p in engine.parameters):
-        captured = capture(
+        captured, derivation = capture_derived(
             engine.load,
             [
                 (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
@@ -148,6 +152,7 @@ def load_into_engine(
                     [*into.transformed, *into.skipped],
                 )
             )
+        planned = time.perf_counter()
         loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:
@@ -171,6 +176,8 @@ def load_into_engine(
         skipped=into.skipped,
         defaulted=into.defaulted,
         capture_s=recorded - started,
+        plan_s=planned - recorded,
+        recorded=derivation.recorded,
         load_s=loaded.elapsed_s,
         transformed_s=finished - reads_done,
         total_s=finished - started,

@@ -84,6 +84,7 @@ def placement(
     for run in captured.runs:
         runs.setdefault(run.tensor, []).append((run.src, run.nbytes, run.target, run.dst))
     places: dict[str, Place] = {}
+    geometries: dict[str, Geometry] = {}  # per destination: an MoE's is shared by hundreds
     for name, found in runs.items():
         ck = names.get(name, name)
         info = checkpoint.tensors.get(ck)
@@ -94,9 +95,10 @@ def placement(
         engine_tensor = by_name.get(target_name)
         if src != 0 or nbytes != info.nbytes or engine_tensor is None:
             continue
-        places[name] = Place(
-            target_name, dst, Geometry.of(engine_tensor), info.dtype, tuple(info.shape)
-        )
+        geometry = geometries.get(target_name)
+        if geometry is None:
+            geometry = geometries[target_name] = Geometry.of(engine_tensor)
+        places[name] = Place(target_name, dst, geometry, info.dtype, tuple(info.shape))
     return Placement(MappingProxyType(places))
 
 

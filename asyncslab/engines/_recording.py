@@ -99,6 +99,8 @@ class Capture:
     yielded: tuple[str, ...]
     untouched: tuple[str, ...]
     ops: Mapping[str, int] = field(default_factory=dict)
+    #: The tensors given to the loader when it wrote a fill (see :class:`Fill`).
+    filling: frozenset[str] = frozenset()
 
 
 def capture(
@@ -203,6 +205,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.transformed: dict[str, str] = {}
         self.written: set[str] = set()
         self.ops: dict[str, int] = {}
+        self.filling: set[str] = set()
         # Per target: the byte runs recorded so far, to notice a fill over one of them.
         self._claimed: dict[int, list[tuple[int, int, str]]] = {}
 
@@ -244,6 +247,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             yielded=tuple(self.yielded),
             untouched=untouched,
             ops=dict(self.ops),
+            filling=frozenset(self.filling),
         )
 
     # --- the dispatch ----------------------------------------------------------------
@@ -377,6 +381,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         target = self._target_of.get(_storage_ptr(dst))
         if target is None:
             return
+        if self.current is not None:
+            self.filling.add(self.current)
         for start, end in _spans(dst):
             self.fills.append(Fill(op, target, start, end))
             # Done now, before any read: bytes a tensor was recorded to fill earlier would

@@ -323,6 +323,70 @@ def test_other_architectures_load_byte_for_byte_with_no_table_of_names(
         assert not any(n.startswith("lm_head") for n in case["dtypes"])
 
 
+#: Where the field's expert counts begin: vLLM's loaders are run on a few experts of each
+#: layer and the rest derived (``engines/_derive``).
+MANY_EXPERTS = {
+    "mixtral-256": ("mixtral", {"num_local_experts": 256, "num_hidden_layers": 4}),
+    # A shared expert beside the routed ones.
+    "qwen2_moe-64": ("qwen2_moe", {"num_experts": 64, "num_hidden_layers": 3}),
+    # Latent attention, a dense first layer, shared experts.
+    "deepseek_v3-64": (
+        "deepseek_v3",
+        {"n_routed_experts": 64, "num_hidden_layers": 4, "first_k_dense_replace": 1},
+    ),
+}
+#: Not a sampled expert of its layer (first, second, last or picked by a hash).
+MISSING_EXPERT = "model.layers.2.block_sparse_moe.experts.137.w3.weight"
+
+
+@pytest.mark.slow
+def test_many_experts_load_byte_for_byte_from_a_few_recorded_and_a_missing_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    """At real expert counts vLLM's loaders run on one layer's experts and a few of every
+    other layer's; the rest is derived, and every parameter byte still equals ``auto``'s.
+    An expert missing from a layer is refused naming it, as any missing tensor is."""
+    models = {
+        name: write_model(tmp_path / name, arch, shards=2, **config)
+        for name, (arch, config) in MANY_EXPERTS.items()
+    }
+    missing = shutil.copytree(models["mixtral-256"], tmp_path / "missing-expert")
+    for shard in sorted(missing.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+        if tensors.pop(MISSING_EXPERT, None) is not None:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = missing / "model.safetensors.index.json"
+    listed = json.loads(index.read_text())
+    del listed["weight_map"][MISSING_EXPERT]
+    index.write_text(json.dumps(listed))
+    cases = [_case(name, model) for name, model in models.items()]
+    cases.append({"name": "missing-expert", "model": str(missing), "formats": ["asyncslab"]})
+    result = _worker("loads", cases, tmp_path)
+    for name in MANY_EXPERTS:
+        case = result[name]
+        assert "error" not in case, (name, case.get("message"))
+        assert case["same_names"], name
+        assert case["differ"] == [], name
+        assert case["pointers_kept"] == {"auto": True, "asyncslab": True}, name
+        report = case["report"]
+        # DeepSeek's router bias, kept in float32 by vLLM: cast by its loader, per MoE layer.
+        assert sorted(report["transformed"]) == [
+            f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            for i in range(1, 4)
+            if name.startswith("deepseek")
+        ], name
+        assert report["runs"] == report["tensors"] - len(report["transformed"]), name
+        # Derived, not recorded: most tensors never went through vLLM's loaders.
+        assert report["recorded"] < report["tensors"] / 2, (name, report["recorded"])
+    refused = result["missing-expert"]
+    assert refused["error"] == "CoverageError", refused
+    assert refused["tensor"] == MISSING_EXPERT
+    # Expert 137's up half (rows 64.. of its slot) of layer 2's fused gate/up parameter.
+    assert "indices [137, 64, 0]" in refused["message"]
+    assert re.search(r"'model\.layers\.2\.[\w.]*w13_weight'", refused["message"])
+
+
 def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any]) -> None:
     """vLLM fuses q/k/v and gate/up, and stacks experts: fewer parameters than tensors."""
     for name in ("llama", "mixtral", "qwen2_moe"):
