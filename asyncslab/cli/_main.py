@@ -208,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         "table, as 'inspect --json' does (./- names a file called -)",
     )
     load_p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    load_p.add_argument(
+        "--transformers",
+        action="store_true",
+        help="load PATH (a model directory or prefix with its config.json) as a transformers "
+        "model, as asyncslab.transformers.from_pretrained does (docs/transformers.md)",
+    )
+    load_p.add_argument(
+        "--dtype",
+        default=None,
+        help="with --transformers: cast to this dtype (default: the config's, no cast)",
+    )
     load_p.set_defaults(handler=_cmd_load)
 
     _add_bench(sub, common)
@@ -805,6 +816,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_load(args: argparse.Namespace) -> int:
     path: Path = args.path
+    if args.transformers:
+        return _cmd_load_transformers(args)
+    if args.dtype is not None:
+        raise UsageError("--dtype applies to --transformers only")
     # `--json -`: the report goes to stdout in place of the table, so that stdout stays one
     # JSON document (as with `inspect --json`); the bar and the errors are on stderr anyway.
     # The raw text is compared, since Path("./-") is Path("-").
@@ -868,6 +883,60 @@ def _cmd_load(args: argparse.Namespace) -> int:
             return 1  # the verdict outranks the reader that left
         raise
     return 1 if verify is not None and not verify.ok else 0
+
+
+def _cmd_load_transformers(args: argparse.Namespace) -> int:
+    """``load --transformers``: the model built and loaded as ``from_pretrained`` would, and
+    what the load did."""
+    for flag, given in (("--verify", args.verify), ("--tier-map", args.tier_map is not None),
+                        ("--rank", args.rank is not None)):  # fmt: skip
+        if given:
+            raise UsageError(f"{flag} does not apply to --transformers (the model decides)")
+    json_path: Path | None = None if args.json in (None, "-") else Path(args.json)
+    if json_path is not None:
+        _check_json_path(json_path)
+    from ..engines._transformers import load as load_transformers
+
+    bar = ProgressBar(sys.stderr) if not args.no_progress else None
+    try:
+        model, report = load_transformers(
+            str(args.path),
+            dtype=args.dtype,
+            device=args.device,
+            progress=bar,
+            io_workers=args.io_workers,
+            read_size=args.read_mb,
+            staging_bytes=args.staging_mb,
+            streams=args.streams,
+            transfer=args.transfer,
+        )
+    finally:
+        if bar is not None:
+            bar.finish()
+    rss = peak_rss_bytes()
+    doc = {**dataclasses.asdict(report), "model": type(model).__name__, "peak_rss_bytes": rss}
+    doc.update(total_s=report.total_s, gbps=report.gbps, dtype=str(model.dtype))
+    if args.json is not None:
+        _write_json(json_path, doc)
+    if args.json != "-":
+        converted = f", {len(report.converted):,} through transformers' converters"
+        rows = [
+            ["model", f"{type(model).__name__} ({model.dtype}, eval mode)"],
+            ["device", str(args.device)],
+            ["files", f"{report.files:,}"],
+            ["tensors", f"{report.placed:,} of {report.tensors:,} read into their parameters"
+                        + (converted if report.converted else "")
+                        + (f", {len(report.skipped):,} skipped" if report.skipped else "")],
+            ["parameters", f"{report.parameters:,}"],
+            ["bytes", _bytes_exact(report.bytes)],
+            ["seconds", f"{report.total_s:.3f} (model and plan {report.prepare_s:.3f}, reads "
+                        f"{report.load_s:.3f}, finishing {report.finish_s:.3f})"],
+            ["GB/s", f"{report.gbps:.2f} (reads)"],
+            ["peak RSS", format_bytes(rss) if rss is not None else "unknown"],
+        ]  # fmt: skip
+        _out(f"loaded {args.path} as {type(model).__name__}:")
+        _out(format_table(rows, align="ll", indent="  "))
+    return 0
 
 
 def _load_report(

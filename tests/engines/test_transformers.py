@@ -130,6 +130,7 @@ def assert_same_model(ref: Any, got: Any) -> None:
     ids = torch.randint(
         0, ref.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1)
     )
+    ids = ids.to(ref.device)
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
 
@@ -340,3 +341,38 @@ def test_a_missing_config_is_named(tmp_path: Path, mixtral_dir: Path) -> None:
         ast.from_pretrained(directory)
     config = json.loads((mixtral_dir / "config.json").read_text())
     assert config["model_type"] == "mixtral"
+
+
+def test_the_command_line_loads_a_transformers_model(
+    mixtral_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncslab.cli._main import main
+
+    assert main(["load", "--transformers", "--no-progress", str(mixtral_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"loaded {mixtral_dir} as MixtralForCausalLM:" in out
+    assert "41 of 41 read into their parameters" in out
+    report = tmp_path / "report.json"
+    argv = ["load", "--transformers", "--no-progress", "--dtype", "float32"]
+    assert main([*argv, "--json", str(report), str(mixtral_dir)]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["model"] == "MixtralForCausalLM"
+    assert doc["dtype"] == "torch.float32"
+    assert doc["placed"] == 0
+    assert len(doc["converted"]) == doc["tensors"] == 41
+    assert main(["load", "--transformers", "--verify", str(mixtral_dir)]) == 2
+    assert "--verify does not apply to --transformers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["qwen3_moe", "llama_tied"])
+def test_onto_cuda_equals_from_pretrained_with_a_device_map(name: str, tmp_path: Path) -> None:
+    """``device="cuda"``: parameters allocated on the GPU, the payload through pinned staging
+    and CUDA streams; the same model as ``from_pretrained(device_map="cuda")``."""
+    directory = save(build(name), tmp_path / name)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, device_map="cuda")
+    model, report = ast.load(directory, device="cuda")
+    assert_same_model(ref, model)
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert all(b.device.type == "cuda" for b in model.buffers())
+    assert report.placed == report.tensors
