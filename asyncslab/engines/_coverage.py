@@ -4,9 +4,10 @@
 Each byte run the engine's loader was recorded to copy becomes a slot, and the runs of one
 size that lie end to end in one destination a slab (a layer's experts in their fused
 parameter: one slab): a view of the destination's storage there, slot by run, and a route
-per run reading its elements of the checkpoint tensor (``make_route(elements=...)``). :func:`asyncslab.plan`'s checks then hold
-as for any plan (dtype, size, the route reading its own tensor's bytes), and a
-:class:`~asyncslab.SlabSet` given those views writes into the engine's memory in place.
+per run reading its elements of the checkpoint tensor (``make_route(elements=...)``).
+:func:`asyncslab.plan`'s checks then hold as for any plan (dtype, size, the route reading its
+own tensor's bytes), and a :class:`~asyncslab.SlabSet` given those views writes into the
+engine's memory in place.
 
 Completeness is checked per byte, before any read: every byte of every required tensor (the
 engine's parameters) is written by exactly one checkpoint tensor, or filled by the loader
@@ -125,9 +126,7 @@ def plan_into(
     )
 
 
-def _grids(
-    captured: Capture, info: Callable[[str], TensorInfo]
-) -> Iterator[tuple[int, list[Run]]]:
+def _grids(captured: Capture, info: Callable[[str], TensorInfo]) -> Iterator[tuple[int, list[Run]]]:
     """The recorded runs as slabs: per destination, the runs of one size and dtype that lie
     end to end, each one slot. A layer's experts written into their fused parameter are one
     slab (a few hundred slots) rather than a slab each: what a plan costs grows with its
@@ -191,7 +190,6 @@ def _check_coverage(
         covered[fill.target].append((fill.start, fill.end))
     merged = {t: _merge(spans) for t, spans in covered.items()}
     by_ptr = {flat.untyped_storage().data_ptr(): i for i, (_, flat) in enumerate(captured.targets)}
-    writers = _writers(captured)
     defaulted = []
     for name, tensor in required:
         if not tensor.numel():
@@ -204,7 +202,7 @@ def _check_coverage(
             defaulted.append(name)
         elif holes:
             a, b = holes[0]
-            guess = _guess(name, a - start, b - start, writers, required)
+            guess = _guess(name, a - start, b - start, _writers(captured), required)
             hint = f"; by analogy, expected {guess!r}" if guess else ""
             where = _index_range(tensor, a - start, b - start)
             raise CoverageError(

@@ -27,22 +27,19 @@ that singles out an expert index in every layer is inside (the reference records
 
 from __future__ import annotations
 
-import re
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import CaptureError
-from ._recording import Capture, Run, capture
+from ._recording import Capture, Run, Write, capture
 
 __all__ = ["capture_derived", "Derivation"]
 
-#: A number between dots: a layer's, an expert's (``w1``'s is part of a word).
-_NUMBER = re.compile(r"(?<![^.])[0-9]+(?![^.])")
 
 #: A member with fewer experts than this is recorded whole: deriving saves little there.
 MIN_EXPERTS = 8
@@ -83,12 +80,11 @@ def capture_derived(
         # whatever the full recording says, it says it alone.
         return capture(load, given, targets, device=device), Derivation(len(given), 0, ())
     record = _Records(first)
-    derived: list[Run] = []
-    untouched: set[str] = set()
+    derived = _Derived()
     again: list[str] = []
     fallbacks: list[tuple[str, str]] = []
     for family in plans:
-        for member, why in family.derive(record, derived, untouched):
+        for member, why in family.derive(record, derived):
             fallbacks.append((member, why))
             again.extend(family.unsampled_of(member))
     second = None
@@ -100,9 +96,20 @@ def capture_derived(
             # which only one recording can tell.
             return capture(load, given, targets, device=device), Derivation(len(given), 0, ())
     parts = [first] if second is None else [first, second]
-    done = _merge(parts, derived, untouched, [name for name, _, _ in given])
+    done = _merge(parts, derived, [name for name, _, _ in given])
     recorded = len(given) - len(held) + len(again)
     return done, Derivation(recorded, len(given) - recorded, tuple(fallbacks))
+
+
+@dataclass(frozen=True, slots=True)
+class _Footprint:
+    """What the loader did with one tensor: byte ``runs`` ``(src, nbytes, target, dst)``, or
+    ``writes`` ``(target, start, end)`` and why it transformed it; or nothing (untouched)."""
+
+    runs: tuple[tuple[int, int, int, int], ...]
+    writes: tuple[tuple[int, int, int], ...]
+    why: str | None
+    untouched: bool
 
 
 class _Records:
@@ -110,20 +117,44 @@ class _Records:
 
     def __init__(self, captured: Capture) -> None:
         self.captured = captured
-        self.runs: dict[str, list[Run]] = defaultdict(list)
-        for run in captured.runs:
-            self.runs[run.tensor].append(run)
-        self.untouched = frozenset(captured.untouched)
+        self._runs: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+        for r in captured.runs:
+            self._runs[r.tensor].append((r.src, r.nbytes, r.target, r.dst))
+        self._writes: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+        for w in captured.writes:
+            self._writes[w.tensor].append((w.target, w.start, w.end))
+        self._untouched = frozenset(captured.untouched)
         self.sizes = [flat.numel() for _, flat in captured.targets]
 
-    def plain(self, name: str) -> str | None:
-        """Why ``name``'s recording cannot be carried to another tensor, if it cannot."""
-        c = self.captured
-        if name in c.transformed:
-            return f"the loader transforms {name!r} ({c.transformed[name]})"
-        if name in c.filling:
-            return f"the loader fills bytes of its own while taking {name!r}"
-        return None
+    def of(self, name: str) -> _Footprint:
+        return _Footprint(
+            tuple(self._runs.get(name, ())),
+            tuple(self._writes.get(name, ())),
+            self.captured.transformed.get(name),
+            name in self._untouched,
+        )
+
+    def fills(self, name: str) -> bool:
+        return name in self.captured.filling
+
+
+@dataclass(slots=True)
+class _Derived:
+    runs: list[Run] = field(default_factory=list)
+    writes: list[Write] = field(default_factory=list)
+    transformed: dict[str, str] = field(default_factory=dict)
+    untouched: set[str] = field(default_factory=set)
+
+    def add(self, name: str, like: _Footprint, renamed: Mapping[int, int]) -> None:
+        """``name`` as the loader took ``like``'s tensor, destinations ``renamed``."""
+        for src, nbytes, target, dst in like.runs:
+            self.runs.append(Run(name, src, nbytes, renamed[target], dst))
+        for target, start, end in like.writes:
+            self.writes.append(Write(name, renamed[target], start, end))
+        if like.why is not None:
+            self.transformed[name] = like.why
+        if like.untouched:
+            self.untouched.add(name)
 
 
 @dataclass(slots=True)
@@ -145,61 +176,59 @@ class _Family:
         picked = self.sampled[member]
         return [n for e, n in self.members[member].items() if e not in picked]
 
-    def derive(
-        self, record: _Records, out: list[Run], untouched: set[str]
-    ) -> Iterator[tuple[str, str]]:
-        """Append the derived runs of every member that the samples allow to ``out`` (and
-        their untouched tensors to ``untouched``); yield ``(member, why)`` for the others."""
-        reference = self.members[self.reference]
-        for name in reference.values():
-            why = record.plain(name)
-            if why is not None:
-                for member in list(self.members)[1:]:
-                    yield member, why
-                return
+    def derive(self, record: _Records, out: _Derived) -> Iterator[tuple[str, str]]:
+        """Add the tensors of every member the samples allow to ``out``; yield
+        ``(member, why)`` for the others."""
+        reference = {e: record.of(n) for e, n in self.members[self.reference].items()}
+        filling = next((n for n in self.members[self.reference].values() if record.fills(n)), None)
         for member, experts in list(self.members.items())[1:]:
+            if filling is not None:
+                yield member, f"the loader fills bytes of its own while taking {filling!r}"
+                continue
             renamed, why = self._renaming(record, reference, experts, self.sampled[member])
             if renamed is None:
                 yield member, why
                 continue
             for expert in experts.keys() - self.sampled[member]:
-                name, source = experts[expert], reference[expert]
-                if source in record.untouched:
-                    untouched.add(name)
-                for r in record.runs.get(source, ()):
-                    out.append(Run(name, r.src, r.nbytes, renamed[r.target], r.dst))
+                out.add(experts[expert], reference[expert], renamed)
 
     def _renaming(
         self,
         record: _Records,
-        reference: dict[int, str],
+        reference: dict[int, _Footprint],
         experts: dict[int, str],
         sampled: frozenset[int],
     ) -> tuple[dict[int, int] | None, str]:
-        """The destinations of ``reference``'s experts renamed to ``experts``'s, as their
+        """The destinations of the reference member's renamed to ``experts``'s, as their
         ``sampled`` experts show them, or None and why not."""
         renamed: dict[int, int] = {}
         for expert in sorted(sampled):
-            mine, theirs = experts[expert], reference[expert]
-            why = record.plain(mine)
-            if why is not None:
-                return None, why
-            if (mine in record.untouched) != (theirs in record.untouched):
-                return None, f"the loader takes {mine!r} and {theirs!r} differently"
-            ours, refs = record.runs.get(mine, []), record.runs.get(theirs, [])
-            if len(ours) != len(refs):
-                return None, f"{mine!r} lands in {len(ours)} runs, {theirs!r} in {len(refs)}"
-            for a, b in zip(ours, refs, strict=True):
-                if (a.src, a.nbytes, a.dst) != (b.src, b.nbytes, b.dst):
-                    return None, f"{mine!r} lands elsewhere in its parameter than {theirs!r}"
-                if renamed.setdefault(b.target, a.target) != a.target:
+            mine = experts[expert]
+            if record.fills(mine):
+                return None, f"the loader fills bytes of its own while taking {mine!r}"
+            ours, theirs = record.of(mine), reference[expert]
+            if (ours.why, ours.untouched) != (theirs.why, theirs.untouched):
+                return None, f"the loader takes {mine!r} otherwise than the reference layer's"
+            pairs = [(a[2], b[2]) for a, b in zip(ours.runs, theirs.runs, strict=False)]
+            pairs += [(a[0], b[0]) for a, b in zip(ours.writes, theirs.writes, strict=False)]
+            shapes = (
+                [r[:2] + r[3:] for r in ours.runs],
+                [w[1:] for w in ours.writes],
+            ) != (
+                [r[:2] + r[3:] for r in theirs.runs],
+                [w[1:] for w in theirs.writes],
+            )
+            if shapes:
+                return None, f"{mine!r} lands elsewhere in its parameter than in the reference"
+            for target, reference_target in pairs:
+                if renamed.setdefault(reference_target, target) != target:
                     return None, f"{mine!r} lands in another parameter than its siblings"
-        for name in reference.values():
-            for r in record.runs.get(name, ()):
-                target = renamed.get(r.target)
-                if target is None:
-                    return None, f"no sampled expert shows where {name!r}'s bytes go here"
-                if record.sizes[target] != record.sizes[r.target]:
+        for footprint in reference.values():
+            used = [r[2] for r in footprint.runs] + [w[0] for w in footprint.writes]
+            for target in used:
+                if target not in renamed:
+                    return None, "no sampled expert shows where all the reference's bytes go"
+                if record.sizes[renamed[target]] != record.sizes[target]:
                     return None, "its parameters differ in size from the reference's"
         return renamed, ""
 
@@ -210,12 +239,18 @@ def _families(given: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> list
     grouped: dict[tuple[Any, ...], dict[str, dict[int, str]]] = {}
     ambiguous = set()
     for name, dtype, shape in given:
-        numbers = _NUMBER.findall(name)
+        # Numbers between dots (a layer's, an expert's; the 1 of ``w1`` is part of a word).
+        parts = name.split(".")
+        numbers = [i for i, part in enumerate(parts) if part.isdigit() and part.isascii()]
         if not numbers:
             continue
-        key = (_NUMBER.sub("#", name), dtype, shape)
-        experts = grouped.setdefault(key, {}).setdefault(".".join(numbers[:-1]), {})
-        if experts.setdefault(int(numbers[-1]), name) != name:
+        member = ".".join([parts[i] for i in numbers[:-1]])
+        expert = int(parts[numbers[-1]])
+        for i in numbers:
+            parts[i] = "#"
+        key = (".".join(parts), dtype, shape)
+        experts = grouped.setdefault(key, {}).setdefault(member, {})
+        if experts.setdefault(expert, name) != name:
             # Two names, one number ("07" and "7"): not a family this can reason about.
             ambiguous.add(key)
     out = []
@@ -242,24 +277,21 @@ def _families(given: Sequence[tuple[str, torch.dtype, tuple[int, ...]]]) -> list
     return out
 
 
-def _merge(
-    parts: Sequence[Capture], derived: list[Run], untouched: set[str], order: list[str]
-) -> Capture:
-    """One recording of the passes ``parts`` (run on the same targets) and the derived runs."""
+def _merge(parts: Sequence[Capture], derived: _Derived, order: list[str]) -> Capture:
+    """One recording of the passes ``parts`` (run on the same targets) and the derived."""
     first = parts[0]
     ops: dict[str, int] = {}
+    untouched = set(derived.untouched)
+    transformed: dict[str, str] = dict(derived.transformed)
     for part in parts:
         for op, n in part.ops.items():
             ops[op] = ops.get(op, 0) + n
-    for part in parts:
         untouched.update(part.untouched)
-    transformed: dict[str, str] = {}
-    for part in parts:
         transformed.update(part.transformed)
     return Capture(
         targets=first.targets,
-        runs=tuple(r for part in parts for r in part.runs) + tuple(derived),
-        writes=tuple(w for part in parts for w in part.writes),
+        runs=tuple(r for part in parts for r in part.runs) + tuple(derived.runs),
+        writes=tuple(w for part in parts for w in part.writes) + tuple(derived.writes),
         fills=tuple(f for part in parts for f in part.fills),
         transformed=transformed,
         yielded=tuple(order),

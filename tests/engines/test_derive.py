@@ -181,7 +181,7 @@ def test_an_expert_index_the_loader_singles_out_in_every_layer_is_derived_from_t
     ("odd", "layer", "projections", "why"),
     [
         ("last expert of layer 2", "2", ("w1", "w3", "w2"), "lands elsewhere in its parameter"),
-        ("transpose layer 3", "3", ("w2",), "transforms"),
+        ("transpose layer 3", "3", ("w2",), "otherwise than the reference layer's"),
     ],
 )
 def test_a_layer_the_loader_treats_otherwise_is_recorded_whole(
@@ -203,6 +203,21 @@ def test_a_layer_the_loader_treats_otherwise_is_recorded_whole(
         for p in projections:
             assert f"layers.{layer}.experts.{e}.{p}" in given
     assert how.derived > 0
+
+
+def test_a_model_served_in_another_dtype_is_derived_as_transformed(tmp_path: Path) -> None:
+    """Every copy casts (a bfloat16 checkpoint into float32 parameters): the reference
+    layer's tensors are transformed, and so are the derived ones, with their writes."""
+    ckpt = write(tmp_path, {n: t.bfloat16() for n, t in weights().items()})
+    model = Moe()
+    loader = Counting(model)
+    derived, how = capture_derived(loader, specs(ckpt), list(model.named_parameters()))
+    full = capture(model.load_weights, specs(ckpt), list(model.named_parameters()))
+    same_recording(derived, full)
+    assert set(derived.writes) == set(full.writes)
+    assert not how.fallbacks
+    assert how.derived >= (LAYERS - 1) * 3 * (EXPERTS - 6)
+    assert len(derived.transformed) == len(ckpt.tensors)
 
 
 def test_experts_another_rank_holds_are_derived_as_untouched(tmp_path: Path) -> None:
