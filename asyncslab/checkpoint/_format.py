@@ -7,12 +7,11 @@ rules (``_index``) are the same for both, and only the source of the bytes diffe
 
 from __future__ import annotations
 
-import itertools
+import array
 import os
 import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from types import MappingProxyType
 
 from ..errors import (
     CheckpointError,
@@ -25,13 +24,17 @@ from ._header import (
     INDEX_NAME,
     INDEX_SUFFIX,
     MAX_HEADER_BYTES,
+    Kind,
     ShardFile,
+    ShardTensors,
     TensorInfo,
+    TensorTable,
     frozen_columns,
     gc_paused,
+    kind_of,
     parse_header,
     safetensors_dtype,
-    shard_of,
+    shard_columns,
 )
 from ._index import Index, check_index_matches, check_inside, files_of_index, find_index, read_index
 from ._source import SCHEMES
@@ -44,6 +47,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "ShardFile",
     "TensorInfo",
+    "TensorTable",
     "frozen_columns",
     "gc_paused",
     "parse_header",
@@ -51,20 +55,19 @@ __all__ = [
     "safetensors_dtype",
 ]
 
-#: A shard's header as read: the file, and its tensors in payload order.
-Shard = tuple[ShardFile, list[TensorInfo]]
-
 
 def read_header(path: str | os.PathLike[str]) -> tuple[ShardFile, list[TensorInfo]]:
     """Read and validate one file's header; the payload is never read."""
-    return _read_header(path if isinstance(path, Path) else Path(path))
+    shard, tensors = _read_header(path if isinstance(path, Path) else Path(path))
+    return shard, tensors.infos(shard.path, shard.tensors)
 
 
-def _read_header(path: Path) -> Shard:
+def _read_header(path: Path) -> tuple[ShardFile, ShardTensors]:
     fd = _open_regular(path)
     try:
         st = os.fstat(fd)
-        return shard_of(_LocalFile(fd, path, st.st_size), inode=st.st_ino, mtime_ns=st.st_mtime_ns)
+        source = _LocalFile(fd, path, st.st_size)
+        return shard_columns(source, inode=st.st_ino, mtime_ns=st.st_mtime_ns)
     finally:
         os.close(fd)
 
@@ -111,7 +114,7 @@ class Checkpoint:
     :class:`TensorInfo`, in file order, then payload order.
     """
 
-    __slots__ = ("root", "files", "tensors", "index")
+    __slots__ = ("root", "files", "tensors", "index", "_table")
 
     root: Path
     files: tuple[ShardFile, ...]
@@ -129,6 +132,14 @@ class Checkpoint:
         self.files = files
         self.tensors = tensors
         self.index = index
+        self._table: TensorTable | None = tensors if isinstance(tensors, TensorTable) else None
+
+    @property
+    def table(self) -> TensorTable:
+        """The tensors as columns (see :class:`TensorTable`); what the planner reads."""
+        if self._table is None:
+            self._table = TensorTable.of_mapping(self.tensors)
+        return self._table
 
     @classmethod
     def open(
@@ -219,26 +230,25 @@ class Checkpoint:
     def _of_shards(
         cls,
         root: Path,
-        shards: Sequence[Shard],
+        shards: Sequence[tuple[ShardFile, ShardTensors | Sequence[TensorInfo]]],
         index_path: Path | None,
         index: Index | None,
         index_files: Mapping[str, Path],
     ) -> Checkpoint:
-        files = [shard for shard, _ in shards]
-        per_file = [infos for _, infos in shards]
+        files = tuple(shard for shard, _ in shards)
+        columns = [
+            tensors if isinstance(tensors, ShardTensors) else _columns_of(tensors)
+            for _, tensors in shards
+        ]
+        names = [f.tensors for f in files]
         # One dict built at C speed; a name in two files shows as a shorter dict.
-        tensors = dict(
-            zip(
-                itertools.chain.from_iterable(f.tensors for f in files),
-                itertools.chain.from_iterable(per_file),
-                strict=True,
-            )
-        )
-        if len(tensors) != sum(map(len, per_file)):
-            _raise_duplicate(files, per_file)
+        table = TensorTable.of_shards(tuple(f.path for f in files), names, columns)
+        if table is None:
+            _raise_duplicate(files)
+            raise AssertionError("unreachable: a repeated name was not found")
         if index is not None:
-            check_index_matches(index, index_files, per_file, tensors)
-        return cls(root, tuple(files), MappingProxyType(tensors), index_path)
+            check_index_matches(index, index_files, table)
+        return cls(root, files, table, index_path)
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -256,14 +266,24 @@ class Checkpoint:
         return sum(f.size - f.data_start for f in self.files)
 
 
-def _raise_duplicate(files: list[ShardFile], per_file: list[list[TensorInfo]]) -> None:
-    first: dict[str, TensorInfo] = {}
-    for shard, infos in zip(files, per_file, strict=True):
-        for info in infos:
-            seen = first.setdefault(info.name, info)
-            if seen is not info:
+def _columns_of(infos: Sequence[TensorInfo]) -> ShardTensors:
+    """A file's tensors given as objects (as an object store's headers come), as columns."""
+    kinds: dict[Kind, int] = {}
+    ids = array.array("I", [kinds.setdefault(kind_of(i), len(kinds)) for i in infos])
+    offsets = array.array("q", [info.offset for info in infos])
+    return ShardTensors(list(kinds), ids, offsets)
+
+
+def _raise_duplicate(files: Sequence[ShardFile]) -> None:
+    first: dict[str, ShardFile] = {}
+    for shard in files:
+        seen_here: set[str] = set()
+        for name in shard.tensors:
+            seen = first.setdefault(name, shard)
+            if seen is not shard or name in seen_here:
                 raise DuplicateTensorError(
-                    f"also present in {seen.file}; a tensor must live in one file",
+                    f"also present in {seen.path}; a tensor must live in one file",
                     file=shard.path,
-                    tensor=info.name,
+                    tensor=name,
                 )
+            seen_here.add(name)

@@ -11,6 +11,7 @@ which entry wins. The rules are the same whatever source the bytes come from
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
@@ -49,15 +50,19 @@ __all__ = [
     "INDEX_SUFFIX",
     "MAX_HEADER_BYTES",
     "ShardFile",
+    "ShardTensors",
     "TensorInfo",
+    "TensorTable",
     "as_dict",
     "frozen_columns",
     "gc_paused",
     "is_object",
+    "kind_of",
     "loads_object",
     "parse_header",
     "reject_constant",
     "safetensors_dtype",
+    "shard_columns",
     "shard_of",
 ]
 
@@ -218,13 +223,13 @@ def parse_header(
     rules are property-tested on bytes alone.
     """
     path = file if isinstance(file, Path) else Path(file)
-    metadata, _, tensors = _parse(header, file_size, path)
-    return metadata, tensors
+    metadata, names, tensors = _parse(header, file_size, path)
+    return metadata, tensors.infos(path, names)
 
 
 def _parse(
     header: bytes, file_size: int, path: Path
-) -> tuple[dict[str, str], list[str], list[TensorInfo]]:
+) -> tuple[dict[str, str], list[str], ShardTensors]:
     try:
         text = header.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -234,7 +239,7 @@ def _parse(
     if columns is None:
         columns = _parse_general(text, path)
     c = columns
-    payload_end = data_start + (c.begins[-1] + c.nbytes[-1] if c.names else 0)
+    payload_end = data_start + (c.begins[-1] + c.kinds[c.ids[-1]][3] if c.names else 0)
     if payload_end != file_size:
         what = "truncated" if payload_end > file_size else "has trailing bytes"
         raise PayloadSizeError(
@@ -243,9 +248,14 @@ def _parse(
             expected=payload_end,
             got=file_size,
         )
-    offsets = list(map(operator.add, c.begins, itertools.repeat(data_start)))
-    tensors = _tensor_infos(path, c.names, c.dtypes, c.st_dtypes, c.shapes, offsets, c.nbytes)
-    return c.metadata, c.names, tensors
+    offsets = array.array("q", map(operator.add, c.begins, itertools.repeat(data_start)))
+    return c.metadata, c.names, ShardTensors(c.kinds, array.array("I", c.ids), offsets)
+
+
+#: A tensor's kind: safetensors dtype, torch dtype, shape, bytes. Tensors share kinds (every
+#: expert's ``suh`` of a layer has the same), so a file holds a few kinds and a number each.
+Kind = tuple[str, torch.dtype, tuple[int, ...], int]
+_K = TypeVar("_K")
 
 
 _T = TypeVar("_T")
@@ -290,38 +300,170 @@ def frozen_columns(
     return instances
 
 
-def _tensor_infos(
-    path: Path,
-    names: list[str],
-    dtypes: list[torch.dtype],
-    st_dtypes: list[str],
-    shapes: list[tuple[int, ...]],
-    offsets: list[int],
-    nbytes: list[int],
-) -> list[TensorInfo]:
-    columns: dict[str, Sequence[Any]] = {
-        "name": names,
-        "dtype": dtypes,
-        "st_dtype": st_dtypes,
-        "shape": shapes,
-        "offset": offsets,
-        "nbytes": nbytes,
-    }
-    return frozen_columns(TensorInfo, len(names), columns, {"file": path})
+@dataclass(frozen=True, slots=True)
+class ShardTensors:
+    """One file's tensors as columns, in payload order: the kinds they have, each tensor's
+    number among them (``ids``) and its absolute offset. Names are the file's
+    (:attr:`ShardFile.tensors`)."""
+
+    kinds: list[Kind]
+    ids: array.array[int]
+    offsets: array.array[int]
+
+    def infos(self, path: Path, names: Sequence[str]) -> list[TensorInfo]:
+        """The tensors as :class:`TensorInfo` objects (``names`` in payload order)."""
+        kinds = list(map(self.kinds.__getitem__, self.ids))
+        columns: dict[str, Sequence[Any]] = {
+            "name": names,
+            "st_dtype": list(map(operator.itemgetter(0), kinds)),
+            "dtype": list(map(operator.itemgetter(1), kinds)),
+            "shape": list(map(operator.itemgetter(2), kinds)),
+            "offset": self.offsets,
+            "nbytes": list(map(operator.itemgetter(3), kinds)),
+        }
+        return frozen_columns(TensorInfo, len(names), columns, {"file": path})
+
+
+class TensorTable(Mapping[str, TensorInfo]):
+    """A checkpoint's tensors, name -> :class:`TensorInfo`, held as columns: each tensor is
+    a number (its position in file order, then payload order), and the table keeps per
+    number a file number, an offset and a kind number (a few kinds serve a whole file).
+
+    A checkpoint of 300,000 tensors would otherwise hold 300,000 ``TensorInfo`` objects and
+    their offsets, several hundred bytes a tensor; the planner reads the columns, and an
+    object is built only when one is asked for (so two lookups give equal, not identical,
+    objects). A table made from a hand-built mapping (:meth:`of_mapping`) keeps its objects
+    and hands out exactly those.
+    """
+
+    __slots__ = ("names", "paths", "files", "offsets", "ids", "kinds", "_at", "_objects")
+
+    names: Sequence[str]
+    paths: tuple[Path, ...]
+    files: array.array[int]
+    offsets: array.array[int]
+    ids: array.array[int]
+    kinds: list[Kind]
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        paths: tuple[Path, ...],
+        files: array.array[int],
+        offsets: array.array[int],
+        ids: array.array[int],
+        kinds: list[Kind],
+        at: dict[str, int],
+        objects: list[TensorInfo] | None = None,
+    ) -> None:
+        self.names, self.paths, self.files, self.offsets = names, paths, files, offsets
+        self.ids, self.kinds, self._at, self._objects = ids, kinds, at, objects
+
+    @classmethod
+    def of_shards(
+        cls, paths: tuple[Path, ...], names: Sequence[Sequence[str]], shards: Sequence[ShardTensors]
+    ) -> TensorTable | None:
+        """The table of files ``paths`` holding ``names`` as ``shards`` say; ``None`` when a
+        name is in two files (or twice in one)."""
+        flat = tuple(itertools.chain.from_iterable(names))
+        at = dict(zip(flat, range(len(flat)), strict=True))
+        if len(at) != len(flat):
+            return None
+        kinds: dict[Kind, int] = {}
+        files, ids, offsets = array.array("I"), array.array("I"), array.array("q")
+        for number, shard in enumerate(shards):
+            renumber = [kinds.setdefault(kind, len(kinds)) for kind in shard.kinds]
+            ids.extend(map(renumber.__getitem__, shard.ids))
+            files.extend(array.array("I", [number]) * len(shard.ids))
+            offsets.extend(shard.offsets)
+        return cls(flat, paths, files, offsets, ids, list(kinds), at)
+
+    @classmethod
+    def of_mapping(cls, tensors: Mapping[str, TensorInfo]) -> TensorTable:
+        """The columns of a mapping built by hand (an engine's part of a checkpoint, a
+        test's); its objects stay what the table hands out."""
+        if isinstance(tensors, TensorTable):
+            return tensors
+        names = tuple(tensors)
+        objects = list(tensors.values())
+        by_path: dict[int, int] = {}
+        paths: list[Path] = []
+        files = array.array("I")
+        kinds: dict[Kind, int] = {}
+        ids = array.array("I")
+        for info in objects:
+            number = by_path.setdefault(id(info.file), len(paths))
+            if number == len(paths):
+                paths.append(info.file)
+            files.append(number)
+            ids.append(kinds.setdefault(kind_of(info), len(kinds)))
+        offsets = array.array("q", map(operator.attrgetter("offset"), objects))
+        at = dict(zip(names, range(len(names)), strict=True))
+        return cls(names, tuple(paths), files, offsets, ids, list(kinds), at, objects)
+
+    def info(self, number: int) -> TensorInfo:
+        """Tensor ``number``'s :class:`TensorInfo`."""
+        if self._objects is not None:
+            return self._objects[number]
+        st, dtype, shape, nbytes = self.kinds[self.ids[number]]
+        return TensorInfo(
+            self.names[number],
+            self.paths[self.files[number]],
+            dtype,
+            st,
+            shape,
+            self.offsets[number],
+            nbytes,
+        )
+
+    def number(self, name: str) -> int:
+        """The number of tensor ``name`` (``KeyError`` if absent)."""
+        return self._at[name]
+
+    def numbers(self) -> Mapping[str, int]:
+        """Name -> number, read-only."""
+        return MappingProxyType(self._at)
+
+    def nbytes(self) -> list[int]:
+        """Every tensor's size, in number order."""
+        sizes = [kind[3] for kind in self.kinds]
+        return list(map(sizes.__getitem__, self.ids))
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self.info(self._at[name])
+
+    def get(self, name: str, default: Any = None) -> Any:
+        number = self._at.get(name)
+        return default if number is None else self.info(number)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._at
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"TensorTable({len(self)} tensors in {len(self.paths)} files)"
+
+
+def kind_of(info: TensorInfo) -> Kind:
+    """``info``'s kind, as a :class:`TensorTable` numbers it."""
+    return (info.st_dtype, info.dtype, info.shape, info.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
 class _Columns:
-    """One file's tensors, a list per field, in payload order (``begins`` from the payload
-    start)."""
+    """One file's tensors in payload order: names, kinds (``ids`` number each tensor's
+    among ``kinds``) and where each begins (from the payload start)."""
 
     metadata: dict[str, str]
     names: list[str]
-    dtypes: list[torch.dtype]
-    st_dtypes: list[str]
-    shapes: list[tuple[int, ...]]
+    kinds: list[Kind]
+    ids: list[int]
     begins: list[int]
-    nbytes: list[int]
 
 
 _COMPACT_DECODER = json.JSONDecoder(object_pairs_hook=tuple, parse_constant=reject_constant)
@@ -382,7 +524,7 @@ def _parse_compact(text: str) -> _Columns | None:
     if len(set(names)) != n or "__metadata__" in names or not "".join(names).isprintable():
         return None
 
-    spec_of: dict[str, tuple[str, torch.dtype, tuple[int, ...], int]] = {}
+    spec_of: dict[str, Kind] = {}
     spec_text: dict[str, str] = {}
     for spec in set(specs):
         st, _, dims = spec.partition(_SPEC_MARK)
@@ -395,7 +537,6 @@ def _parse_compact(text: str) -> _Columns | None:
             return None
         spec_of[spec] = st, DTYPES[st], shape, size
         spec_text[spec] = f"{st}{_AFTER_DTYPE}{dims}"
-    per_tensor = list(map(spec_of.__getitem__, specs))
     # The replacements forget which separator stood where; putting them back in the one
     # order the layout allows must give the original text.
     rebuilt = "".join(
@@ -413,13 +554,14 @@ def _parse_compact(text: str) -> _Columns | None:
     if len(rebuilt) != len(core) + 1 or not rebuilt.startswith(core):
         return None
 
-    return _compact_offsets(metadata, names, per_tensor, tails)
+    return _compact_offsets(metadata, names, specs, spec_of, tails)
 
 
 def _compact_offsets(
     metadata: dict[str, str],
     names: list[str],
-    per_tensor: list[tuple[str, torch.dtype, tuple[int, ...], int]],
+    specs: list[str],
+    spec_of: Mapping[str, Kind],
     tails: list[str],
 ) -> _Columns | None:
     """The second half of :func:`_parse_compact`: each tensor's ``"begin,end]},"`` tail,
@@ -453,23 +595,27 @@ def _compact_offsets(
     ):
         return None
     nbytes = list(map(operator.sub, ends, begins))
-    if nbytes != list(map(operator.itemgetter(3), per_tensor)):
+    sizes = {spec: kind[3] for spec, kind in spec_of.items()}
+    if nbytes != list(map(sizes.__getitem__, specs)):
         return None
-    st_dtypes = list(map(operator.itemgetter(0), per_tensor))
-    dtypes = list(map(operator.itemgetter(1), per_tensor))
-    shapes = list(map(operator.itemgetter(2), per_tensor))
     if not in_order or 0 in nbytes:
         # Listed out of payload order, or zero-size tensors, whose ties the general parser
         # orders by name: put them in that same order.
         order = sorted(range(n), key=lambda i: (begins[i], ends[i], names[i]))
-        names, st_dtypes, shapes, begins, ends, nbytes = (
-            list(map(column.__getitem__, order))
-            for column in (names, st_dtypes, shapes, begins, ends, nbytes)
-        )
-        dtypes = list(map(dtypes.__getitem__, order))
+        names, specs = list(map(names.__getitem__, order)), list(map(specs.__getitem__, order))
+        begins, ends = list(map(begins.__getitem__, order)), list(map(ends.__getitem__, order))
         if begins[0] != 0 or begins[1:] != ends[:-1]:
             return None
-    return _Columns(metadata, names, dtypes, st_dtypes, shapes, begins, nbytes)
+    kinds, ids = _numbered(specs, spec_of)
+    return _Columns(metadata, names, kinds, ids, begins)
+
+
+def _numbered(keys: list[_K], kind_of: Mapping[_K, Kind]) -> tuple[list[Kind], list[int]]:
+    """Each distinct key's kind, in order of first appearance, and each tensor's number
+    among them: both parsers number alike, whatever their keys."""
+    distinct = list(dict.fromkeys(keys))
+    number = dict(zip(distinct, range(len(distinct)), strict=True))
+    return list(map(kind_of.__getitem__, distinct)), list(map(number.__getitem__, keys))
 
 
 def _canonical_dims(text: str) -> tuple[int, ...] | None:
@@ -499,6 +645,7 @@ def _parse_general(text: str, path: Path) -> _Columns:
             raise HeaderJSONError("__metadata__ must map strings to strings", file=path)
 
     entries: list[tuple[int, int, str, str, tuple[int, ...]]] = []
+    kind_of: dict[tuple[str, tuple[int, ...]], Kind] = {}
     itemsizes = _ITEMSIZE
     for name, pairs in obj.items():
         if type(pairs) is not tuple:
@@ -579,19 +726,14 @@ def _parse_general(text: str, path: Path) -> _Columns:
                 expected=expected,
                 got=end - begin,
             )
-        entries.append((begin, end, name, st, tuple(shape)))
+        shape = tuple(shape)
+        kind_of.setdefault((st, shape), (st, DTYPES[st], shape, expected))
+        entries.append((begin, end, name, st, shape))
 
     entries.sort()
     _check_contiguous(entries, path)
-    return _Columns(
-        metadata,
-        [e[2] for e in entries],
-        [DTYPES[e[3]] for e in entries],
-        [e[3] for e in entries],
-        [e[4] for e in entries],
-        [e[0] for e in entries],
-        [e[1] - e[0] for e in entries],
-    )
+    kinds, ids = _numbered([(e[3], e[4]) for e in entries], kind_of)
+    return _Columns(metadata, [e[2] for e in entries], kinds, ids, [e[0] for e in entries])
 
 
 def _check_contiguous(
@@ -644,6 +786,14 @@ def shard_of(
     source: ByteSource, *, inode: int, mtime_ns: int, location: ObjectLocation | None = None
 ) -> tuple[ShardFile, list[TensorInfo]]:
     """Read and validate the header of ``source``; its payload is never read."""
+    shard, tensors = shard_columns(source, inode=inode, mtime_ns=mtime_ns, location=location)
+    return shard, tensors.infos(shard.path, shard.tensors)
+
+
+def shard_columns(
+    source: ByteSource, *, inode: int, mtime_ns: int, location: ObjectLocation | None = None
+) -> tuple[ShardFile, ShardTensors]:
+    """:func:`shard_of`, the tensors as columns."""
     header_len, header = header_bytes(source)
     metadata, names, tensors = _parse(header, source.size, source.path)
     shard = ShardFile(

@@ -24,7 +24,7 @@ from ..errors import (
 from ._header import (
     INDEX_NAME,
     INDEX_SUFFIX,
-    TensorInfo,
+    TensorTable,
     as_dict,
     is_object,
     loads_object,
@@ -245,28 +245,28 @@ def files_of_index(root: Path, index: Index) -> dict[str, Path]:
 
 
 def check_index_matches(
-    index: Index,
-    expected_for: Mapping[str, Path],
-    per_file: list[list[TensorInfo]],
-    tensors: Mapping[str, TensorInfo],
+    index: Index, expected_for: Mapping[str, Path], tensors: TensorTable
 ) -> None:
     """``expected_for``: each file name the index uses -> the file (:func:`files_of_index`)."""
     # Every entry is checked by C loops; Python loops run only to name a culprit. Each index
     # name found, no two naming the same tensor, as many as the headers hold, each in the
     # file the index says: then the two agree exactly.
-    found = list(map(tensors.get, index.names))
+    found = list(map(tensors.numbers().get, index.names))
     if len(found) == len(tensors) and None not in found:
-        infos = cast("list[TensorInfo]", found)
+        numbers = cast("list[int]", found)
         # Writers list names sorted (transformers) or in file order; either settles
         # uniqueness by a linear scan, without hashing a million entries again.
         unique = (
             index.checked
             or all(map(operator.lt, index.names, itertools.islice(index.names, 1, None)))
-            or infos == list(itertools.chain.from_iterable(per_file))
-            or len(set(map(id, infos))) == len(infos)
+            or numbers == list(range(len(numbers)))
+            or len(set(numbers)) == len(numbers)
         )
-        placed = list(map(operator.attrgetter("file"), infos))
-        if unique and placed == list(map(expected_for.__getitem__, index.files)):
+        file_number = {path: i for i, path in enumerate(tensors.paths)}
+        expected = [file_number.get(path, -1) for path in expected_for.values()]
+        of_name = dict(zip(expected_for, expected, strict=True))
+        placed = list(map(tensors.files.__getitem__, numbers))
+        if unique and placed == list(map(of_name.__getitem__, index.files)):
             return
     # They disagree. An index the compact reader took may also be malformed in a way it
     # left to this comparison (a repeated name): the general parser reports that first.

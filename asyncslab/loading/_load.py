@@ -36,6 +36,7 @@ from ..errors import (
     ReadTimeoutError,
 )
 from ..planning._plan import Plan
+from ..planning._routes import route_column
 from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
 from ._read import IoPool, ReadFeed
 from ._schedule import ReadOp, Schedule
@@ -85,7 +86,7 @@ class Load:
         self.state: State = state
         self.error: str | None = None
         # Counters; bytes landed are the sink's.
-        self.bytes_needed = sum(r.nbytes for r in plan.routes) if state == "loading" else 0
+        self.bytes_needed = sum(route_column(plan.routes, "nbytes")) if state == "loading" else 0
         self.bytes_read = 0
         self.reads = 0
         self.started = time.perf_counter() if state == "loading" else 0.0

@@ -12,10 +12,14 @@ cuts its reads at fixed, page-aligned boundaries instead: no two reads share a p
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..planning._plan import Plan
+from ..planning._routes import route_column
 
 __all__ = ["Piece", "ReadOp", "Schedule", "schedule", "windows"]
 
@@ -51,48 +55,73 @@ class Schedule:
 def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
     if max_read <= 0:
         raise ValueError(f"max_read must be positive, got {max_read}")
-    file_index = {f.path: i for i, f in enumerate(plan.files)}
+    routes = _Columns(plan)
+    keep = list(map(bool, routes.nbytes))
+    empty = list(itertools.compress(range(len(keep)), map(operator.not_, keep)))
+    index = list(itertools.compress(range(len(keep)), keep))
+    files, starts, sizes, dsts = (
+        list(itertools.compress(column, keep))
+        for column in (routes.files, routes.starts, routes.nbytes, routes.dsts)
+    )
+    ends = list(map(operator.add, starts, sizes))
+    small = [size <= max_read for size in sizes]
+    # Where a read may go on from the route before: same file, a gap of 0..gap bytes, and
+    # neither of the two split into chunks. Decided a column at a time; the loop below
+    # steps once per read, not once per route.
+    gaps = list(map(operator.sub, starts[1:], ends[:-1]))
+    joins = map(
+        all,
+        zip(
+            map(operator.eq, files[1:], files),
+            map(operator.le, itertools.repeat(0), gaps),
+            map(operator.ge, itertools.repeat(gap), gaps),
+            small[1:],
+            small,
+            strict=True,
+        ),
+    )
+    n = len(index)
+    cuts = [0, *itertools.compress(range(1, n), map(operator.not_, joins)), n] if n else [0]
     per_file: list[list[ReadOp]] = [[] for _ in plan.files]
-    empty: list[int] = []
-    needed = 0
-
-    start = end = 0
-    pieces: list[Piece] = []
-    current = -1
-    last_path: object = None
-    f = -1
-
-    for index, route in enumerate(plan.routes):
-        nbytes = route.nbytes
-        if nbytes == 0:
-            empty.append(index)
-            continue
-        needed += nbytes
-        if route.file is not last_path:  # routes come sorted by file: hash a path rarely
-            last_path = route.file
-            f = file_index[route.file]
-        r_start = route.src_offset
-        r_end = r_start + nbytes
-        if pieces and f == current and 0 <= r_start - end <= gap and r_end - start <= max_read:
-            pieces.append((index, r_start - start, route.dst_offset, nbytes))
-            end = r_end
-            continue
-        if pieces:
-            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-            pieces = []
-        current = f
-        if nbytes > max_read:
+    for a, b in itertools.pairwise(cuts):
+        f = files[a]
+        if not small[a]:  # a tensor larger than a read: chunks, each a read of its own
+            r_start, nbytes, route, dst = starts[a], sizes[a], index[a], dsts[a]
             for chunk in range(0, nbytes, max_read):
-                n = min(max_read, nbytes - chunk)
+                size = min(max_read, nbytes - chunk)
                 per_file[f].append(
-                    ReadOp(f, r_start + chunk, n, ((index, 0, route.dst_offset + chunk, n),))
+                    ReadOp(f, r_start + chunk, size, ((route, 0, dst + chunk, size),))
                 )
             continue
-        start, end = r_start, r_end
-        pieces = [(index, 0, route.dst_offset, nbytes)]
-    if pieces:
-        per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-    return _assemble(per_file, empty, needed)
+        while a < b:
+            # As many routes as fit in one read (ends only grow along a run of joins).
+            start = starts[a]
+            stop = bisect.bisect_right(ends, start + max_read, a, b)
+            pieces = tuple(
+                zip(
+                    index[a:stop],
+                    map(operator.sub, starts[a:stop], itertools.repeat(start)),
+                    dsts[a:stop],
+                    sizes[a:stop],
+                    strict=True,
+                )
+            )
+            per_file[f].append(ReadOp(f, start, ends[stop - 1] - start, pieces))
+            a = stop
+    return _assemble(per_file, empty, sum(sizes))
+
+
+class _Columns:
+    """A plan's routes as the scheduler reads them: file numbers (in ``plan.files``), file
+    offsets, sizes and slab offsets, a list each."""
+
+    def __init__(self, plan: Plan) -> None:
+        file_index = {f.path: i for i, f in enumerate(plan.files)}
+        routes = plan.routes
+        self.files = list(map(file_index.__getitem__, route_column(routes, "file")))
+        self.starts = route_column(routes, "src_offset")
+        self.nbytes = route_column(routes, "nbytes")
+        self.dsts = route_column(routes, "dst_offset")
 
 
 def windows(plan: Plan, *, window: int) -> Schedule:
@@ -105,25 +134,21 @@ def windows(plan: Plan, *, window: int) -> Schedule:
     on their own."""
     if window <= 0:
         raise ValueError(f"window must be positive, got {window}")
-    file_index = {f.path: i for i, f in enumerate(plan.files)}
     # (file, window) -> [(file offset, route, dst_offset, nbytes)]: routes may come in any
     # order (a rule can take rows of a tensor for several slabs), and a window must still
     # become a single read.
     found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     empty: list[int] = []
     needed = 0
-    last_path: object = None
-    f = -1
-    for index, route in enumerate(plan.routes):
-        nbytes = route.nbytes
+    routes = _Columns(plan)
+    for index, (f, at, nbytes, dst) in enumerate(
+        zip(routes.files, routes.starts, routes.nbytes, routes.dsts, strict=True)
+    ):
         if nbytes == 0:
             empty.append(index)
             continue
         needed += nbytes
-        if route.file is not last_path:
-            last_path = route.file
-            f = file_index[route.file]
-        at, end, dst = route.src_offset, route.src_offset + nbytes, route.dst_offset
+        end = at + nbytes
         while at < end:
             k = at // window
             cut = min(end, (k + 1) * window)

@@ -13,7 +13,6 @@ without waiting for the cyclic collector
 from __future__ import annotations
 
 import asyncio
-import operator
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 
@@ -23,6 +22,7 @@ from .._failures import first_line
 from ..checkpoint._format import Checkpoint
 from ..errors import ClosedError, IncompleteLoadError, LoadError, PlanError
 from ..planning._plan import Plan
+from ..planning._routes import route_column
 from ._load import Health, Load, check_files, check_progress, uncancellable
 from ._options import (
     LoadOptions,
@@ -350,7 +350,7 @@ class SlabSet:
         self._run_plan = plan
         # Per route: the byte tensor its slab lies in (the backing, or a given tensor's
         # bytes), and where in it the slab starts.
-        slabs = list(map(operator.attrgetter("slab"), plan.routes))
+        slabs = route_column(plan.routes, "slab")
         self._route_base = list(map(self._offset.__getitem__, slabs))
         if self._given is None:
             self._route_bytes = [self._backing] * len(slabs)

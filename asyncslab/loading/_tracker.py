@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from .._failures import detached
 from ..errors import DuplicateLandingError, IncompleteLoadError
 from ..planning._plan import Plan
+from ..planning._routes import route_column
 
 __all__ = ["Tracker", "UnitState"]
 
@@ -35,8 +36,8 @@ class UnitState:
 class Tracker:
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
-        self._route_unit = [r.unit for r in plan.routes]
-        self._route_bytes = [r.nbytes for r in plan.routes]
+        self._route_unit = route_column(plan.routes, "unit")
+        self._route_bytes = route_column(plan.routes, "nbytes")
         self._unit_total: dict[str, int] = {u: 0 for u in plan.units}
         for unit in self._route_unit:
             self._unit_total[unit] += 1

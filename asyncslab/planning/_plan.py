@@ -33,6 +33,7 @@ from ..errors import (
     ShapeMismatchError,
     UnmatchedTensorError,
 )
+from ._routes import Pending, RouteIndex, RouteTable, route_column
 from ._vocabulary import (
     DST_OFFSET,
     DTYPE,
@@ -67,7 +68,7 @@ class Plan:
     """
 
     slabs: Mapping[str, SlabSpec]
-    routes: tuple[Route, ...]
+    routes: Sequence[Route]
     units: Mapping[str, tuple[str, ...]]
     checked: tuple[str, ...]
     skipped: tuple[str, ...]
@@ -196,19 +197,21 @@ def _plan(
         raise PlanError(f"unmatched={unmatched!r}; expected 'error' or 'ignore'")
 
     patterns = [re.compile(p) for p in ignore]
-    pending: dict[str, TensorInfo] = dict(checkpoint.tensors)
+    table = checkpoint.table
+    at = dict(table.numbers())
+    pending = Pending(table, at)
     skipped: list[str] = []
     if patterns:
-        skipped = [n for n in pending if any(p.fullmatch(n) for p in patterns)]
+        skipped = [n for n in at if any(p.fullmatch(n) for p in patterns)]
         for name in skipped:
-            del pending[name]
+            del at[name]
 
     slabs: dict[str, SlabSpec] = {}
-    routes: list[Route] = []
+    parts: list[Sequence[Route]] = []
     checked: list[str] = []
     extras: dict[str, Any] = {}
     for rule in rules:
-        claim = rule.claim(checkpoint, MappingProxyType(pending))
+        claim = rule.claim(checkpoint, pending)
         specs = tuple(claim.slabs)  # read twice below: a rule may have given an iterator
         named = dict(zip(map(NAME, specs), specs, strict=True))
         if len(named) != len(specs) or not slabs.keys().isdisjoint(named):
@@ -218,29 +221,33 @@ def _plan(
                     raise CoverageError(f"two rules define slab {spec.name!r}")
                 seen.add(spec.name)
         slabs.update(named)
-        placed = list(map(TENSOR, claim.routes))
+        claimed = claim.routes
+        if isinstance(claimed, RouteTable) and claimed.tensors is not table:
+            claimed = tuple(claimed)  # a table over another checkpoint: its routes' names
+        placed = route_column(claimed, "tensor")
         if len(set(placed)) != len(placed):  # slices of one tensor, or a fault
-            _check_slices(claim.routes, checkpoint, rule)
+            claimed = tuple(claimed)
+            _check_slices(claimed, checkpoint, rule)
             placed = list(dict.fromkeys(placed))
         owned = [*placed, *claim.checked, *claim.skipped]
         # A column at a time, as in _valid; the loop below only names a fault.
-        popped = list(map(pending.pop, owned, itertools.repeat(None)))
+        popped = list(map(at.pop, owned, itertools.repeat(None)))
         for name in itertools.compress(owned, map(operator.is_, popped, itertools.repeat(None))):
-            if name in checkpoint.tensors:
+            if name in table:
                 raise CoverageError(
                     f"routed twice (rule {type(rule).__name__} claims it again)",
-                    file=checkpoint.tensors[name].file,
+                    file=table[name].file,
                     tensor=name,
                 )
             raise PlanError(f"rule {type(rule).__name__} routes unknown tensor {name!r}")
-        routes.extend(claim.routes)
+        parts.append(claimed)
         checked.extend(claim.checked)
         skipped.extend(claim.skipped)
         extras.update(claim.extras)
 
-    if pending:
+    if at:
         if unmatched == "error":
-            names = sorted(pending)
+            names = sorted(at)
             shown = ", ".join(repr(n) for n in names[:5])
             more = f" and {len(names) - 5} more" if len(names) > 5 else ""
             first = pending[names[0]]
@@ -251,37 +258,118 @@ def _plan(
                 tensor=first.name,
                 tensors=names,
             )
-        skipped.extend(pending)
+        skipped.extend(at)
 
-    if not _valid(checkpoint, slabs, routes):
-        _validate(checkpoint, slabs, routes)  # raises, naming the first fault
-    order = {f.path: i for i, f in enumerate(checkpoint.files)}
-    keys = list(
-        zip(
-            map(order.__getitem__, map(FILE, routes)),
-            map(SRC_OFFSET, routes),
-            map(TENSOR, routes),
-            strict=True,
-        )
-    )
-    if any(map(operator.gt, keys, itertools.islice(keys, 1, None))):
-        routes = list(map(routes.__getitem__, sorted(range(len(routes)), key=keys.__getitem__)))
+    routes, index = _checked_routes(checkpoint, slabs, parts)
     units: dict[str, list[str]] = defaultdict(list)
     for spec in slabs.values():
         units[spec.unit].append(spec.name)
     return Plan(
         slabs=MappingProxyType(slabs),
-        routes=tuple(routes),
+        routes=routes,
         units=MappingProxyType({u: tuple(n) for u, n in units.items()}),
         checked=tuple(checked),
         skipped=tuple(skipped),
         files=checkpoint.files,
         extras=MappingProxyType(extras),
-        # A tensor sliced into several routes is found at its first.
-        _index=MappingProxyType(
-            dict(zip(map(TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1), strict=True))
-        ),
+        _index=index,
     )
+
+
+def _checked_routes(
+    checkpoint: Checkpoint, slabs: Mapping[str, SlabSpec], parts: Sequence[Sequence[Route]]
+) -> tuple[Sequence[Route], Mapping[str, int]]:
+    """The rules' routes, validated, in payload order, and tensor name -> first route.
+
+    The built-in rules' tables are checked and merged a column at a time; any other routes
+    (a custom rule's objects), or tables the column checks refuse, go through the route
+    checks, which name the fault."""
+    routes: Sequence[Route]
+    tables = [part for part in parts if isinstance(part, RouteTable)]
+    if len(tables) == len(parts) and tables and _valid_tables(tables, slabs):
+        routes = _in_payload_order(RouteTable.concat(tables))
+        index: Mapping[str, int] = RouteIndex(routes)
+    else:
+        routes = list(itertools.chain.from_iterable(parts))
+        if not _valid(checkpoint, slabs, routes):
+            _validate(checkpoint, slabs, routes)  # raises, naming the first fault
+        order = {f.path: i for i, f in enumerate(checkpoint.files)}
+        keys = list(
+            zip(
+                map(order.__getitem__, map(FILE, routes)),
+                map(SRC_OFFSET, routes),
+                map(TENSOR, routes),
+                strict=True,
+            )
+        )
+        if any(map(operator.gt, keys, itertools.islice(keys, 1, None))):
+            routes = list(map(routes.__getitem__, sorted(range(len(routes)), key=keys.__getitem__)))
+        routes = tuple(routes)
+        # A tensor sliced into several routes is found at its first.
+        index = MappingProxyType(
+            dict(zip(map(TENSOR, reversed(routes)), range(len(routes) - 1, -1, -1), strict=True))
+        )
+    return routes, index
+
+
+def _in_payload_order(table: RouteTable) -> RouteTable:
+    """``table``'s routes sorted by file, offset and tensor name, as a plan holds them.
+
+    A table's tensor numbers already run in file, then payload order, so sorting by number
+    is the same sort, save where a zero-byte tensor shares its offset with another (payload
+    order puts the shorter first, a plan the name first): those few go by the full key."""
+    column = table.tensor
+    if not table.cuts and 0 not in table.nbytes():
+        if all(map(operator.lt, column, itertools.islice(column, 1, None))):
+            return table
+        return table.permuted(sorted(range(len(column)), key=column.__getitem__))
+    keys = list(zip(table.files(), table.src_offsets(), table.names(), strict=True))
+    if all(map(operator.le, keys, itertools.islice(keys, 1, None))):
+        return table
+    return table.permuted(sorted(range(len(keys)), key=keys.__getitem__))
+
+
+def _valid_tables(tables: Sequence[RouteTable], slabs: Mapping[str, SlabSpec]) -> bool:
+    """Whether the routes of the built-in rules' tables pass every check of
+    :func:`_validate`, decided a column at a time over numbers (kinds, slabs, slots).
+
+    A table's routes read their own tensors at their slots' offsets by construction; what
+    remains is each tensor's dtype, shape and size against its slab's slot, every slot
+    inside its slab, and every slot of every slab taken exactly once. Each table routes only
+    into its own slabs, so coverage is checked table by table. A plan this refuses goes
+    through the route-by-route checks, which name the fault."""
+    covered = 0
+    try:
+        for table in tables:
+            specs = table.slabs
+            if table.cuts or any(slabs.get(spec.name) is not spec for spec in specs):
+                return False
+            covered += len(specs)
+            tensors = table.tensors
+            signature: dict[tuple[Any, ...], int] = {}
+            of_kind = [
+                signature.setdefault((dtype, shape, size), len(signature))
+                for _, dtype, shape, size in tensors.kinds
+            ]
+            of_slab = [
+                signature.setdefault((s.dtype, s.item_shape, s.slot_nbytes), len(signature))
+                for s in specs
+            ]
+            kinds = map(tensors.ids.__getitem__, table.tensor)
+            if list(map(of_kind.__getitem__, kinds)) != list(map(of_slab.__getitem__, table.slab)):
+                return False
+            n_slots = [spec.n_slots for spec in specs]
+            if not all(map(operator.lt, table.slot, map(n_slots.__getitem__, table.slab))):
+                return False
+            base = list(itertools.accumulate(n_slots, initial=0))
+            if len(table) != base[-1]:
+                return False
+            taken = set(map(operator.add, map(base.__getitem__, table.slab), table.slot))
+            if len(taken) != len(table):
+                return False
+    except TypeError:  # an unhashable shape: judged by the route checker
+        return False
+    return covered == len(slabs)
 
 
 def _check_slices(routes: Sequence[Route], checkpoint: Checkpoint, rule: Rule) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import itertools
+import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -15,6 +17,7 @@ import torch
 
 from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ..errors import CoverageError, DtypeMismatchError, PlanError
+from ._routes import RouteTable, numbers_of
 from ._vocabulary import (
     DTYPE,
     FILE,
@@ -69,8 +72,17 @@ class Dense:
         # A dense checkpoint may hold hundreds of thousands of tensors: a column at a time
         # (see frozen_columns), not a tensor at a time.
         names = list(filter(re.compile(self.pattern).fullmatch, pending))
-        infos = list(map(pending.__getitem__, names))
-        dtypes = list(map(DTYPE, infos))
+        numbers = numbers_of(checkpoint, pending)
+        if numbers is not None:
+            table = checkpoint.table
+            tensor = array.array("I", map(numbers.__getitem__, names))
+            kinds = list(map(table.kinds.__getitem__, map(table.ids.__getitem__, tensor)))
+            dtypes = list(map(operator.itemgetter(1), kinds))
+            shapes = list(map(operator.itemgetter(2), kinds))
+        else:
+            infos = list(map(pending.__getitem__, names))
+            dtypes = list(map(DTYPE, infos))
+            shapes = list(map(SHAPE, infos))
         if self.dtypes:
             required = [(re.compile(p), dt) for p, dt in self.dtypes.items()]
             dtypes = [
@@ -82,9 +94,22 @@ class Dense:
         slabs = frozen_columns(
             SlabSpec,
             n,
-            {"name": names, "unit": units, "dtype": dtypes, "item_shape": list(map(SHAPE, infos))},
+            {"name": names, "unit": units, "dtype": dtypes, "item_shape": shapes},
             {"slot_dims": (), "labels": _DENSE},
         )
+        if numbers is not None:
+            unit_number = {u: i for i, u in enumerate(dict.fromkeys(units))}
+            table_routes = RouteTable(
+                checkpoint.table,
+                slabs,
+                tensor,
+                array.array("I", range(n)),
+                array.array("I", [0]) * n,
+                list(unit_number),
+                array.array("I", map(unit_number.__getitem__, units)),
+                {},
+            )
+            return Claim(slabs=tuple(slabs), routes=table_routes)
         routes = frozen_columns(
             Route,
             n,

@@ -11,7 +11,7 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -163,7 +163,7 @@ class Claim:
     does not place (``checked``: validated markers; ``skipped``: another rank's slices)."""
 
     slabs: tuple[SlabSpec, ...] = ()
-    routes: tuple[Route, ...] = ()
+    routes: Sequence[Route] = ()
     checked: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     extras: Mapping[str, Any] = field(default_factory=dict)
@@ -272,6 +272,10 @@ def unit_of_layer(name: str) -> str:
 def mode_shape(shapes: Iterable[tuple[int, ...]]) -> tuple[int, ...]:
     """The most common shape; ties go to the smallest, so the result never depends on the
     order tensors were seen in."""
-    counts = Counter(shapes)
+    return mode_of_counts(Counter(shapes))
+
+
+def mode_of_counts(counts: Mapping[tuple[int, ...], int]) -> tuple[int, ...]:
+    """:func:`mode_shape` of shapes already counted."""
     best = max(counts.values())
     return min(s for s, c in counts.items() if c == best)
