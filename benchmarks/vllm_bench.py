@@ -184,6 +184,9 @@ def child_load(model: str, contender: str, device: str, mode: str = "warm") -> d
         out["transformed"] = None if report is None else len(report.transformed)
         out["capture_s"] = None if report is None else report.capture_s
         out["reads_s"] = None if report is None else report.load_s
+        out["plan_s"] = None if report is None else report.plan_s
+        out["recorded"] = None if report is None else report.recorded
+        out["tensors"] = None if report is None else report.tensors
         reloads = mode == "warm" and contender in PAIR
         if reloads:
             weights = loader.get_all_weights(config.model_config, model_)
