@@ -64,8 +64,53 @@ def free_ports(n: int) -> list[int]:
     return chosen
 
 
-class SeaweedServer:
-    """``weed mini`` on 127.0.0.1; :attr:`endpoint` is its S3 endpoint."""
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
+    """Terminate a server the tests started, and reap it (killed if it lingers)."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+class ObstoreWrites:
+    """The tests' own writes to a server through obstore (``store(bucket)``: a client of it),
+    never through asyncslab."""
+
+    def store(self, bucket: str = "models") -> Any:
+        raise NotImplementedError
+
+    def put(self, key: str, data: bytes, bucket: str = "models") -> None:
+        import obstore
+
+        obstore.put(self.store(bucket), key, data)
+
+    def get(self, key: str, bucket: str = "models") -> bytes:
+        import obstore
+
+        return bytes(obstore.get(self.store(bucket), key).bytes())
+
+    def delete(self, key: str, bucket: str = "models") -> None:
+        import obstore
+
+        obstore.delete(self.store(bucket), key)
+
+    @staticmethod
+    def pin_of(request: Request) -> str | None:
+        """What pins a read to the version opened: its ``If-Match``."""
+        return request.headers.get("if-match")
+
+
+class SeaweedServer(ObstoreWrites):
+    """``weed mini`` on 127.0.0.1; :attr:`endpoint` is its S3 endpoint. Its surface is the
+    GCS and Azure emulators' too (``tests/object_servers.py``), so that one test runs
+    against each store."""
+
+    scheme = "s3"
+    secret = SECRET_KEY
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -151,16 +196,18 @@ class SeaweedServer:
         options: Any = self.options()
         return S3Store(bucket, config=options, client_options={"allow_http": True})
 
+    @staticmethod
+    def key_of(request: Request) -> tuple[str, str] | None:
+        """The bucket and key of a request through a proxy (``/bucket/key``, path-style)."""
+        bucket, _, key = request.path.lstrip("/").partition("/")
+        return (bucket, key) if key else None
+
+    def proxy(self, **link: Any) -> FaultProxy:
+        return FaultProxy(self.endpoint, **link)
+
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def upload(store: Any, prefix: str, directory: Path) -> None:
@@ -218,9 +265,19 @@ class Fault:
 class FaultProxy:
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``)."""
 
-    def __init__(self, upstream: str, *, latency_s: float = 0.0, rate: float | None = None) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        latency_s: float = 0.0,
+        rate: float | None = None,
+        rewrite_host: bool = False,
+    ) -> None:
         host, _, port = upstream.removeprefix("http://").partition(":")
         self._upstream = (host, int(port))
+        # The server's own Host header on each request (a server routing by its public host
+        # name, as fake-gcs-server does; an S3 request signs its Host and keeps it).
+        self._host = f"Host: {host}:{port}" if rewrite_host else None
         self.latency_s = latency_s  # added to every request (a round trip of a distant link)
         self.rate = rate  # bytes/s of one response, at most (None: as fast as it goes)
         self.faults: list[Fault] = []
@@ -328,6 +385,8 @@ class FaultProxy:
         if fault is not None and fault.kind == "before" and fault.hook is not None:
             await asyncio.to_thread(fault.hook, request)
         kept = [ln for ln in lines[1:] if ln and not ln.lower().startswith("connection:")]
+        if self._host is not None:
+            kept = [self._host if ln.lower().startswith("host:") else ln for ln in kept]
         out = "\r\n".join([lines[0], *kept, "Connection: close", "", ""]).encode("latin-1")
         up_reader, up_writer = await asyncio.open_connection(*self._upstream)
         try:

@@ -5,16 +5,24 @@ Opening lists the prefix (every page of it), reads the index if there is one and
 header with ranged GETs, and applies every rule a local checkpoint gets: the header rules, the
 index's path safety (a name may not leave the prefix), and each object's size against the data
 end its header declares. Each object's ETag is recorded then, and every later request for it
-(the headers' too) is pinned to it with ``If-Match``: an object replaced meanwhile is refused,
-never read as a mix of two versions.
+(the headers' too) is pinned to it with ``If-Match``, and the ETag of every response is
+checked too (a GCS emulator ignores ``If-Match``); where the first response names the object's
+generation (GCS), every later request asks for that generation as well. An object replaced
+meanwhile is refused, never read as a mix of two versions.
 
-Credentials and endpoint come from the environment by the cloud's own conventions
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
-``AWS_REGION``, ``AWS_SKIP_SIGNATURE`` for public buckets; obstore reads them), and
-``storage_options`` overrides them key by key. Requests are path-style (``endpoint/bucket/key``),
-which every S3 server on a custom endpoint accepts, and an ``http://`` endpoint is allowed as
-given. No error raised here quotes more than the first line of the client's message, and never
-a configured secret.
+Credentials and endpoint come from the environment by each cloud's own conventions, and
+``storage_options`` overrides them key by key (docs/object-storage.md has the table). obstore
+reads most variables itself: ``AWS_*`` for ``s3://`` (``AWS_SKIP_SIGNATURE`` for public
+buckets), ``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT*``, ``GOOGLE_BASE_URL``
+for ``gs://``, ``AZURE_STORAGE_ACCOUNT_NAME/KEY``, ``AZURE_STORAGE_SAS_KEY``,
+``AZURE_STORAGE_USE_EMULATOR`` (with ``AZURITE_BLOB_STORAGE_URL``) for ``az://``. Two that
+the clouds' own SDKs read are mapped here: ``STORAGE_EMULATOR_HOST`` (a GCS emulator: its URL,
+and no credentials unless some are configured, as google-cloud-storage does) and
+``AZURE_STORAGE_CONNECTION_STRING`` (or a ``connection_string`` option: account, key or SAS,
+endpoint). S3 requests are path-style (``endpoint/bucket/key``), which every S3 server on a
+custom endpoint accepts, and an ``http://`` endpoint of any store is allowed as given. No error
+raised here quotes more than the first line of the client's message, and never a configured
+secret.
 
 obstore is imported on first use only: ``import asyncslab`` does not load it.
 """
@@ -22,6 +30,7 @@ obstore is imported on first use only: ``import asyncslab`` does not load it.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import os
 from collections.abc import Mapping, Sequence
@@ -41,6 +50,9 @@ if TYPE_CHECKING:
 __all__ = [
     "Found",
     "client",
+    "endpoint",
+    "etag_of",
+    "pinned",
     "failure_kind",
     "refused",
     "open_objects",
@@ -73,7 +85,12 @@ _RETRY = {
     },
     "retry_timeout": timedelta(seconds=30),
 }
-_SECRET_ENV = ("SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY", "SAS", "SIGNATURE")
+_SECRET_ENV = (
+    "SECRET", "TOKEN", "PASSWORD", "ACCESS_KEY", "ACCOUNT_KEY", "MASTER_KEY", "PRIVATE_KEY",
+    "SERVICE_ACCOUNT_KEY", "SAS", "SIGNATURE", "CONNECTION_STRING",
+)  # fmt: skip
+#: Parts of an Azure connection string that are secrets.
+_CONNECTION_SECRETS = ("accountkey", "sharedaccesssignature")
 
 
 def parse_uri(uri: str) -> tuple[str, str, str]:
@@ -103,17 +120,110 @@ def redacted(text: str, spec: StoreSpec | None = None) -> str:
     line = (text.splitlines() or [""])[0]
     secrets = [] if spec is None else spec.secrets()
     secrets += [v for k, v in os.environ.items() if any(m in k.upper() for m in _SECRET_ENV)]
+    connections = [v for k, v in os.environ.items() if k == "AZURE_STORAGE_CONNECTION_STRING"]
+    if spec is not None and "connection_string" in spec.settings:
+        connections.append(spec.settings["connection_string"])
+    for connection in connections:
+        parts = _connection_parts(connection)
+        secrets += [v for k, v in parts.items() if k in _CONNECTION_SECRETS]
     for secret in sorted(set(secrets), key=len, reverse=True):
         if len(secret) >= 4:
             line = line.replace(secret, "***")
     return line
 
 
-def _endpoint(settings: Mapping[str, str]) -> str:
-    for key in ("endpoint", "aws_endpoint", "endpoint_url", "aws_endpoint_url"):
+def _endpoint(scheme: str, settings: Mapping[str, str]) -> str:
+    """The URL ``settings`` (and the environment) send ``scheme``'s requests to; "" for the
+    cloud's own."""
+    keys = {
+        "s3": ("endpoint", "aws_endpoint", "endpoint_url", "aws_endpoint_url"),
+        "gs": ("base_url", "google_base_url"),
+        "az": ("endpoint", "azure_storage_endpoint", "azure_endpoint"),
+    }.get(scheme, ())
+    for key in keys:
         if key in settings:
             return settings[key]
-    return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+    variables = {
+        "s3": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"),
+        "gs": ("GOOGLE_BASE_URL",),
+        "az": ("AZURE_STORAGE_ENDPOINT", "AZURE_ENDPOINT"),
+    }.get(scheme, ())
+    return next((os.environ[v] for v in variables if os.environ.get(v)), "")
+
+
+def endpoint(spec: StoreSpec) -> str:
+    """Where ``spec``'s bucket is reached ("" for the cloud's own endpoint), for a cache key
+    that must tell two servers' buckets of one name apart."""
+    settings = dict(spec.settings)
+    if spec.scheme == "gs":
+        settings = _gcs_settings(settings)
+    elif spec.scheme == "az":
+        settings = _azure_settings(settings)
+        if settings.get("use_emulator", "").lower() == "true":
+            return os.environ.get("AZURITE_BLOB_STORAGE_URL", "http://127.0.0.1:10000")
+    return _endpoint(spec.scheme, settings)
+
+
+#: Settings (or variables obstore reads) that give a GCS client credentials.
+_GCS_CREDENTIALS = (
+    "service_account", "service_account_path", "service_account_key", "application_credentials",
+    "bearer_token", "google_service_account", "google_service_account_path",
+    "google_service_account_key", "google_application_credentials", "google_bearer_token",
+)  # fmt: skip
+
+
+def _gcs_settings(settings: dict[str, str]) -> dict[str, str]:
+    """``STORAGE_EMULATOR_HOST`` (google-cloud-storage's variable: ``host:port`` or a URL)
+    as the base URL, unless one is configured; against an emulator a client with no
+    credentials configured sends none (as google-cloud-storage does) rather than asking a
+    metadata server for a token."""
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST", "").rstrip("/")
+    if not emulator or _endpoint("gs", settings):
+        return settings
+    if "://" not in emulator:
+        emulator = f"http://{emulator}"
+    configured = set(settings) | {k.lower() for k in os.environ if k.startswith("GOOGLE_")}
+    out = {"base_url": emulator, **settings}
+    if not configured & set(_GCS_CREDENTIALS):
+        out.setdefault("skip_signature", "true")
+    return out
+
+
+def _connection_parts(text: str) -> dict[str, str]:
+    """An Azure connection string's ``Name=value;`` parts, names lowercased."""
+    parts = {}
+    for item in text.split(";"):
+        name, sep, value = item.strip().partition("=")
+        if sep:
+            parts[name.strip().lower()] = value.strip()
+    return parts
+
+
+def _azure_settings(settings: dict[str, str]) -> dict[str, str]:
+    """An Azure connection string (``connection_string``, else
+    ``AZURE_STORAGE_CONNECTION_STRING``) as obstore's settings; the settings given override
+    its parts."""
+    text = settings.pop("connection_string", None) or os.environ.get(
+        "AZURE_STORAGE_CONNECTION_STRING", ""
+    )
+    if not text:
+        return settings
+    parts = _connection_parts(text)
+    out: dict[str, str] = {}
+    if parts.get("usedevelopmentstorage", "").lower() == "true":
+        out["use_emulator"] = "true"
+    if "accountname" in parts:
+        out["account_name"] = parts["accountname"]
+    if "accountkey" in parts:
+        out["account_key"] = parts["accountkey"]
+    if "sharedaccesssignature" in parts:
+        out["sas_key"] = parts["sharedaccesssignature"]
+    if "blobendpoint" in parts:
+        out["endpoint"] = parts["blobendpoint"]
+    elif "accountname" in parts and "endpointsuffix" in parts:
+        protocol = parts.get("defaultendpointsprotocol", "https")
+        out["endpoint"] = f"{protocol}://{parts['accountname']}.blob.{parts['endpointsuffix']}"
+    return {**out, **settings}
 
 
 def client(spec: StoreSpec, timeout: float | None = None, *, retry: bool = True) -> Any:
@@ -125,7 +235,7 @@ def client(spec: StoreSpec, timeout: float | None = None, *, retry: bool = True)
     return _client(spec, timeout, retry, env)
 
 
-_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
+_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_", "AZURITE_", "STORAGE_EMULATOR_HOST")
 
 
 @functools.lru_cache(maxsize=64)
@@ -135,10 +245,14 @@ def _client(
     # ``env``: the variables the client reads, so that a changed environment makes a new one.
     from obstore.store import AzureStore, GCSStore, S3Store
 
-    settings = spec.settings
+    settings = dict(spec.settings)
+    if spec.scheme == "gs":
+        settings = _gcs_settings(settings)
+    elif spec.scheme == "az":
+        settings = _azure_settings(settings)
     config = {k: v for k, v in settings.items() if k not in _CLIENT_KEYS}
     options: dict[str, Any] = {k: v for k, v in settings.items() if k in _CLIENT_KEYS}
-    if spec.scheme == "s3" and _endpoint(settings).startswith("http://"):
+    if _endpoint(spec.scheme, settings).startswith("http://"):
         options.setdefault("allow_http", "true")
     if timeout is not None:
         options["timeout"] = timedelta(seconds=timeout)
@@ -184,6 +298,14 @@ def failure_kind(err: BaseException) -> str:
     return "transient"
 
 
+#: What a refused request's message tells the user to check, by scheme.
+_CREDENTIALS = {
+    "s3": "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS, GOOGLE_SERVICE_ACCOUNT, ...",
+    "az": "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY, ...",
+}
+
+
 def refused(err: Exception, what: str, where: Path, spec: StoreSpec) -> CheckpointError:
     """A client error while opening, as the checkpoint error a local file would give."""
     kind = failure_kind(err)
@@ -192,8 +314,8 @@ def refused(err: Exception, what: str, where: Path, spec: StoreSpec) -> Checkpoi
         return MissingFileError(f"{what}: not found ({why})", file=where)
     if kind == "denied":
         return MissingFileError(
-            f"{what}: access denied; check the credentials (AWS_ACCESS_KEY_ID, ... or "
-            f"storage_options) ({why})",
+            f"{what}: access denied; check the credentials "
+            f"({_CREDENTIALS.get(spec.scheme, 'the cloud variables')} or storage_options) ({why})",
             file=where,
         )
     if kind == "changed":
@@ -201,10 +323,38 @@ def refused(err: Exception, what: str, where: Path, spec: StoreSpec) -> Checkpoi
     return CheckpointError(f"{what}: {why}", file=where)
 
 
+def etag_of(meta: Mapping[str, Any]) -> str | None:
+    """An object's ETag as a response header gives it (quoted): a listing of GCS or Azure
+    gives it bare, and ``If-Match`` wants the quoted form."""
+    etag = meta.get("e_tag")
+    if etag is None:
+        return None
+    etag = str(etag)
+    return etag if etag.startswith(('"', "W/")) else f'"{etag}"'
+
+
+def pinned(location: ObjectLocation, start: int, end: int) -> GetOptions:
+    """The options of a GET of bytes ``[start, end)`` of ``location`` as it was opened:
+    ``If-Match`` its ETag, and its generation where one was recorded (GCS)."""
+    options: GetOptions = {"range": (start, end)}
+    if location.etag is not None:
+        options["if_match"] = location.etag
+    if location.version is not None:
+        options["version"] = location.version
+    return options
+
+
+#: Schemes whose first response's version (a GCS object's generation) pins later requests;
+#: an S3 version id needs a permission of its own (s3:GetObjectVersion) that a reader may
+#: lack, and Azure honours If-Match.
+_PINNED_VERSIONS = frozenset({"gs"})
+
+
 class _ObjectSource:
     """One object's bytes for :func:`~._header.shard_of` (a :class:`~._source.ByteSource`):
     its first :data:`HEADER_PREFETCH` bytes fetched whole on the first read, every GET
-    pinned to the ETag the listing gave."""
+    pinned to the ETag the listing gave (and to the generation the first response named);
+    :attr:`location` is final once the first read returned."""
 
     def __init__(
         self, store: Any, location: ObjectLocation, path: ObjectPath, meta: Mapping[str, Any]
@@ -226,14 +376,21 @@ class _ObjectSource:
         import obstore
 
         location = self.location
-        options: GetOptions = {"range": (start, end)}
-        if location.etag is not None:
-            options["if_match"] = location.etag
         what = f"reading bytes {start}-{end - 1}"
         try:
-            data = bytes(obstore.get(self.store, location.key, options=options).bytes())
+            result = obstore.get(self.store, location.key, options=pinned(location, start, end))
+            meta = result.meta
+            data = bytes(result.bytes())
         except Exception as err:
+            if location.version is not None and failure_kind(err) == "missing":
+                raise self._changed(what, None) from None  # that generation is gone
             raise refused(err, what, self.path, location.store) from None
+        got = etag_of(meta)
+        if location.etag is not None and got is not None and got != location.etag:
+            raise self._changed(what, got)
+        version = meta.get("version")
+        if location.version is None and version and location.store.scheme in _PINNED_VERSIONS:
+            self.location = dataclasses.replace(location, version=str(version))
         if len(data) != end - start:
             raise CheckpointError(
                 f"{what}: got {len(data)} bytes (object truncated?)",
@@ -242,6 +399,14 @@ class _ObjectSource:
                 got=len(data),
             )
         return data
+
+    def _changed(self, what: str, got: str | None) -> CheckpointError:
+        now = "is gone" if got is None else f"now has ETag {got}"
+        return CheckpointError(
+            f"{what}: the object changed while it was opened (ETag {self.location.etag} "
+            f"listed, it {now})",
+            file=self.path,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +555,7 @@ def _source(
     meta: Mapping[str, Any],
     path: ObjectPath | None = None,
 ) -> _ObjectSource:
-    location = ObjectLocation(spec, key, meta.get("e_tag"), meta.get("version"))
+    location = ObjectLocation(spec, key, etag_of(meta), meta.get("version"))
     path = path or ObjectPath.of(spec.scheme, spec.bucket, key)
     return _ObjectSource(store, location, path, meta)
 
@@ -413,7 +578,9 @@ def _headers(sources: Sequence[_ObjectSource]) -> list[tuple[ShardFile, list[Ten
 
 
 def _header(source: _ObjectSource) -> tuple[ShardFile, list[TensorInfo]]:
-    return shard_of(source, inode=0, mtime_ns=source.mtime_ns, location=source.location)
+    shard, tensors = shard_of(source, inode=0, mtime_ns=source.mtime_ns)
+    # The location as the reads left it (pinned to the generation they found).
+    return dataclasses.replace(shard, source=source.location), tensors
 
 
 def _nanoseconds(when: datetime | None) -> int:

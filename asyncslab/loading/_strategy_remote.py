@@ -21,13 +21,13 @@ within ``read_timeout`` and no GET outlives the load's drain.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..checkpoint._header import ShardFile
-from ..checkpoint._object_store import client, failure_kind, redacted
+from ..checkpoint._object_store import client, etag_of, failure_kind, pinned, redacted
 from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
 from ..planning._plan import Plan
 from ._copy import Copier
@@ -37,9 +37,6 @@ from ._read import byte_view
 from ._schedule import schedule
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
 from ._strategy_staged import staging_buffer
-
-if TYPE_CHECKING:
-    from obstore import GetOptions
 
 __all__ = ["Remote", "fetch", "reads_objects", "request_limits", "response_tensor", "store_of"]
 
@@ -161,9 +158,7 @@ def fetch(
 
     location = shard.source
     assert location is not None
-    options: GetOptions = {"range": (offset, offset + nbytes)}
-    if location.etag is not None:
-        options["if_match"] = location.etag
+    options = pinned(location, offset, offset + nbytes)
     span = f"bytes {offset}-{offset + nbytes - 1}"
     last: Exception | None = None
     kind = "transient"
@@ -172,7 +167,7 @@ def fetch(
             time.sleep(_backoff(attempt))
         try:
             result = obstore.get(store, location.key, options=options)
-            got = result.meta.get("e_tag")
+            got = etag_of(result.meta)
             if location.etag is not None and got is not None and got != location.etag:
                 raise _changed(shard, got)
             data = result.bytes()
@@ -215,10 +210,9 @@ def _current_etag(store: Any, key: str) -> str | None:
     import obstore
 
     try:
-        etag = obstore.head(store, key).get("e_tag")
+        return etag_of(obstore.head(store, key))
     except Exception:  # gone, or unreachable: the error says "absent"
         return None
-    return None if etag is None else str(etag)
 
 
 def _changed(shard: ShardFile, got: str | None) -> FileChangedError:
