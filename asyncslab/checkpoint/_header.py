@@ -424,6 +424,10 @@ class TensorTable(Mapping[str, TensorInfo]):
         """Name -> number, read-only."""
         return MappingProxyType(self._at)
 
+    def numbers_copy(self) -> dict[str, int]:
+        """Name -> number, a dict of the caller's own."""
+        return self._at.copy()
+
     def nbytes(self) -> list[int]:
         """Every tensor's size, in number order."""
         sizes = [kind[3] for kind in self.kinds]

@@ -654,8 +654,10 @@ class _Columnar:
         fields = ["proj", "suffix", "layer", "expert", "prefix"]
         if "rank" in self.regex.groupindex:
             fields.append("rank")
+        # By number: a group looked up by name costs a dict lookup per name and field.
+        indices = [self.regex.groupindex[f] for f in fields]
         groups = list(
-            map(operator.methodcaller("group", *fields), itertools.compress(matches, found))
+            map(operator.methodcaller("group", *indices), itertools.compress(matches, found))
         )
         del matches
         columns: list[tuple[Any, ...]] = (
@@ -723,12 +725,17 @@ class _Columnar:
         )
 
     def _layer(
-        self, layer: int, at: list[int], extent: int, checked: list[str]
+        self, layer: int, at: range | list[int], extent: int, checked: list[str]
     ) -> ExpertPartition | None:
         rule, table = self.rule, self.table
-        names, projs, suffixes, experts, prefixes, tensor = (
-            list(map(column.__getitem__, at)) for column in self.columns
-        )
+        if isinstance(at, range):  # the layer's tensors are one run: slices
+            names, projs, suffixes, experts, prefixes, tensor = (
+                list(column[at.start : at.stop]) for column in self.columns
+            )
+        else:
+            names, projs, suffixes, experts, prefixes, tensor = (
+                list(map(column.__getitem__, at)) for column in self.columns
+            )
         if len(set(prefixes)) > 1:
             return None  # two models under one layer number, to be named
         kinds = list(map(table.ids.__getitem__, tensor))
@@ -765,9 +772,10 @@ class _Columnar:
         out["tensor"].extend(tensor)
         out["slab"].extend(map(operator.add, slab, itertools.repeat(base)))
         out["slot"].extend(slot)
+        for name, same in (("unit", unit), ("layer", layer)):
+            code = codes[name].setdefault(same, len(codes[name]))
+            out[name].extend(array.array("I", [code]) * n)
         for name, column in (
-            ("unit", [unit] * n),
-            ("layer", [layer] * n),
             ("expert", experts),
             ("shard", projs),
             ("suffix", suffixes),
@@ -916,7 +924,7 @@ class _Columnar:
                     code += 1
 
 
-def _positions_by_layer(layers: list[int]) -> dict[int, list[int]]:
+def _positions_by_layer(layers: list[int]) -> dict[int, range | list[int]]:
     """Each layer's positions in ``layers``, in order; a checkpoint lists a layer's tensors
     together, so each layer is found as one run, without a step per tensor."""
     n = len(layers)
@@ -925,7 +933,7 @@ def _positions_by_layer(layers: list[int]) -> dict[int, list[int]]:
     starts = [0, *itertools.compress(range(1, n), map(operator.ne, layers[1:], layers)), n]
     runs = list(zip(starts, starts[1:], strict=False))
     if len({layers[a] for a, _ in runs}) == len(runs):
-        return {layers[a]: list(range(a, b)) for a, b in runs}
+        return {layers[a]: range(a, b) for a, b in runs}
     found: dict[int, list[int]] = defaultdict(list)
     for position, layer in enumerate(layers):
         found[layer].append(position)

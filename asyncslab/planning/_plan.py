@@ -198,7 +198,7 @@ def _plan(
 
     patterns = [re.compile(p) for p in ignore]
     table = checkpoint.table
-    at = dict(table.numbers())
+    at = table.numbers_copy()
     pending = Pending(table, at)
     skipped: list[str] = []
     if patterns:

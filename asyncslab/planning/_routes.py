@@ -178,8 +178,12 @@ class RouteTable(Sequence[Route]):
     def permuted(self, order: Sequence[int]) -> RouteTable:
         """The same routes in ``order`` (route ``order[k]`` becomes route ``k``)."""
 
+        pick = operator.itemgetter(*order) if len(order) > 1 else None
+
         def take(column: array.array[int]) -> array.array[int]:
-            return array.array(column.typecode, map(column.__getitem__, order))
+            if pick is None:  # itemgetter of one index gives the item, not a tuple
+                return array.array(column.typecode, map(column.__getitem__, order))
+            return array.array(column.typecode, pick(column))
 
         where = {old: new for new, old in enumerate(order) if old in self.cuts}
         return RouteTable(
