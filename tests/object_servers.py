@@ -37,7 +37,14 @@ from typing import Any
 
 import pytest
 
-from tests.s3server import BUCKETS, FaultProxy, ObstoreWrites, Request, stop_process
+from tests.s3server import (
+    BUCKETS,
+    FaultProxy,
+    ObstoreWrites,
+    Request,
+    SeaweedServer,
+    stop_process,
+)
 
 AZURITE_VERSION = "3.35.0"
 #: Azurite's development account (its documented, public key).
@@ -272,3 +279,12 @@ class AzuriteServer(ObstoreWrites):
     def stop(self) -> None:
         process, self.process = self.process, None
         stop_process(process)
+
+
+def attached(scheme: str, endpoint: str) -> SeaweedServer | GcsServer | AzuriteServer:
+    """A handle on a server another process started (at ``endpoint``): its options, writes,
+    proxies and request parsing, for a spawned rank."""
+    kinds = {"s3": SeaweedServer, "gs": GcsServer, "az": AzuriteServer}
+    server = kinds[scheme](Path("."))
+    server.endpoint = endpoint
+    return server

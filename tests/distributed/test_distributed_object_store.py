@@ -1,5 +1,6 @@
 """Distributed loads of a checkpoint in object storage: real gloo groups of spawned ranks
-(``test_distributed._spawn``) reading from a real S3 server (SeaweedFS, ``tests/s3server.py``).
+(``test_distributed._spawn``) reading from the real stores the tests start: SeaweedFS
+(``tests/s3server.py``), fake-gcs-server and Azurite (``tests/object_servers.py``).
 
 Each rank opens the checkpoint through a fault-injecting proxy of its own, started in its
 own process, so that the requests that proxy records are that rank's and no other's: the
@@ -19,7 +20,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import obstore
 import pytest
 import torch.distributed as dist
 
@@ -28,9 +28,11 @@ from asyncslab import Checkpoint, LoadOptions
 from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _sources as sources
 from asyncslab.testing import SyntheticCheckpoint
+from tests.conftest import ObjectServer
 from tests.distributed.test_distributed import _error, _spawn
 from tests.helpers import HANG_S, raw_bytes
-from tests.s3server import Fault, FaultProxy, Request, SeaweedServer, upload
+from tests.object_servers import attached
+from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -56,8 +58,13 @@ def _config(root: Path) -> dict[str, Any]:
     return config
 
 
+def _server(config: dict[str, Any]) -> ObjectServer:
+    """The store the parent started, as this rank reaches it."""
+    return attached(config["scheme"], config["endpoint"])
+
+
 def _open(config: dict[str, Any], proxy: FaultProxy) -> Checkpoint:
-    options = dict(config["options"], endpoint=proxy.endpoint)
+    options = _server(config).options(proxy.endpoint)
     return Checkpoint.open(config["uri"], storage_options=options)
 
 
@@ -72,8 +79,13 @@ def _gets(proxy: FaultProxy, since: int) -> list[Request]:
     return [r for r in proxy.matching(lambda r: True)[since:] if r.method == "GET"]
 
 
-async def _load_from_s3(
-    ckpt: Checkpoint, local: Checkpoint, mode: str, share: bool, proxy: FaultProxy
+async def _load_from_store(
+    ckpt: Checkpoint,
+    local: Checkpoint,
+    mode: str,
+    share: bool,
+    proxy: FaultProxy,
+    server: ObjectServer,
 ) -> dict[str, Any]:
     """One distributed load of ``ckpt``: its slabs against the local load of the same plan,
     and every GET this rank made for it."""
@@ -100,9 +112,15 @@ async def _load_from_s3(
                 for r in plan.routes
                 if r.nbytes
             ],
-            "gets": [[_name(r), r.range[0], r.range[1] + 1] for r in gets if r.range is not None],
+            "gets": [
+                [_name(server, r), r.range[0], r.range[1] + 1] for r in gets if r.range is not None
+            ],
             "unranged": [r.path for r in gets if r.range is None],
-            "pinned": all(r.headers.get("if-match") == etags[_name(r)] for r in gets),
+            "pinned": all(r.headers.get("if-match") == etags[_name(server, r)] for r in gets),
+            # GCS: each GET asks for the generation opened too (the emulator ignores If-Match).
+            "generations": all(server.pin_of(r) == _version(ckpt, _name(server, r)) for r in gets)
+            if server.scheme == "gs"
+            else True,
             "bytes_read": [r.bytes_read for r in loaded.ranks],
         }
 
@@ -114,21 +132,28 @@ def _readers() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(names)]
 
 
-def _name(request: Request) -> str:
-    return request.path.rpartition("/")[2]
+def _name(server: ObjectServer, request: Request) -> str:
+    where = server.key_of(request)
+    assert where is not None, request
+    return where[1].rpartition("/")[2]
+
+
+def _version(ckpt: Checkpoint, name: str) -> str | None:
+    return next(f.source.version for f in ckpt.files if f.path.name == name and f.source)
 
 
 async def _modes(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
-    """Every mode, own reads and shared reads, from s3 through this rank's proxy."""
+    """Every mode, own reads and shared reads, from the store through this rank's proxy."""
     config = _config(root)
+    server = _server(config)
     local = Checkpoint.open(config["local"])
     loads: dict[str, Any] = {}
-    with FaultProxy(config["endpoint"]) as proxy:
+    with server.proxy() as proxy:
         ckpt = _open(config, proxy)
         for mode in MODES:
             for share in (False, True):
                 key = f"{mode}/{'share' if share else 'own'}"
-                loads[key] = await _load_from_s3(ckpt, local, mode, share, proxy)
+                loads[key] = await _load_from_store(ckpt, local, mode, share, proxy, server)
     result["loads"] = loads
     result["threads"] = _readers()
 
@@ -142,18 +167,18 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     """Faults injected into rank 1's requests only, each load's outcome on every rank; then
     a good load in the same group."""
     config = _config(root)
-    store = obstore_store(config)
+    server = _server(config)
     out: dict[str, Any] = {}
-    with FaultProxy(config["endpoint"]) as proxy:
+    with server.proxy() as proxy:
         for share in (False, True):
             for case in ("replaced", "deleted", "cut-always", "cut-twice", "stalled"):
                 ckpt = _open(config, proxy)  # after the last case's object was put back
                 plan = distributed.rank_plan(ckpt, mode="replicated")
                 keys = {f.source.key: f.source.etag for f in ckpt.files if f.source is not None}
-                originals = {k: bytes(obstore.get(store, k).bytes()) for k in keys}
+                originals = {k: server.get(k) for k in keys}
                 options = OPTIONS
                 if rank == 1:
-                    options = _inject(case, proxy, store, originals)
+                    options = _inject(case, proxy, server, originals)
                 since = len(proxy.matching(lambda r: True))
                 got = await _attempt_digest(ckpt, plan, share, options)
                 got["faults"] = sum(f.hits for f in proxy.faults)
@@ -163,12 +188,13 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
                 proxy.release()  # stalled responses end
                 if rank == 1:
                     for key, data in originals.items():
-                        obstore.put(store, key, data)
+                        server.put(key, data)
                 dist.barrier()  # no rank opens again before the objects are back
-        out["opened-apart"] = await _opened_apart(rank, config, proxy, store)
+        out["opened-apart"] = await _opened_apart(rank, config, proxy, server)
     result["faults"] = out
     result["threads"] = _readers()
-    result["etags_back"] = _etags(config, store) == keys
+    # Every object as it was (an Azure upload of the same bytes has another ETag).
+    result["objects_back"] = all(server.get(k) == originals[k] for k in keys)
     local = Checkpoint.open(config["local"])
     plan = distributed.rank_plan(local, mode="replicated")
     async with await asyncslab.load(local, plan, options=OPTIONS) as reference:
@@ -176,7 +202,7 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
 
 
 async def _opened_apart(
-    rank: int, config: dict[str, Any], proxy: FaultProxy, store: Any
+    rank: int, config: dict[str, Any], proxy: FaultProxy, server: ObjectServer
 ) -> dict[str, Any]:
     """Rank 0 opens the checkpoint; then one of its objects is replaced by another version of
     the same layout, and rank 1 opens it: the group refuses before a byte is read."""
@@ -184,16 +210,16 @@ async def _opened_apart(
     dist.barrier()  # rank 0 has opened it
     location = ckpt.files[-1].source
     assert location is not None
-    original = bytes(obstore.get(store, location.key).bytes())
+    original = server.get(location.key)
     if rank == 1:
-        obstore.put(store, location.key, _another_version(original))
+        server.put(location.key, _another_version(original))
         ckpt = _open(config, proxy)
     plan = distributed.rank_plan(ckpt, mode="replicated")
     since = len(proxy.matching(lambda r: True))
     got = await _attempt_digest(ckpt, plan, True, OPTIONS)
     got["gets"] = len(_gets(proxy, since))
     if rank == 1:
-        obstore.put(store, location.key, original)
+        server.put(location.key, original)
     dist.barrier()  # the object is back
     return got
 
@@ -205,35 +231,22 @@ def _another_version(data: bytes) -> bytes:
     return bytes(changed)
 
 
-def obstore_store(config: dict[str, Any]) -> Any:
-    """A client of the server itself (not through any proxy), for the test's own puts."""
-    from obstore.store import S3Store
-
-    return S3Store("models", config=config["options"], client_options={"allow_http": True})
-
-
-def _etags(config: dict[str, Any], store: Any) -> dict[str, str | None]:
-    prefix = config["uri"].removeprefix("s3://models/")
-    return {
-        m["path"]: m["e_tag"]
-        for page in obstore.list(store, prefix + "/")
-        for m in page
-        if m["path"].endswith(".safetensors")
-    }
-
-
-def _inject(case: str, proxy: FaultProxy, store: Any, originals: dict[str, bytes]) -> LoadOptions:
+def _inject(
+    case: str, proxy: FaultProxy, server: ObjectServer, originals: dict[str, bytes]
+) -> LoadOptions:
     """Arm ``case`` on this rank's proxy; the options its load runs with."""
 
     def key_of(request: Request) -> str:
-        return request.path.removeprefix("/models/")
+        where = server.key_of(request)
+        assert where is not None, request
+        return where[1]
 
     def replace(request: Request) -> None:
         key = key_of(request)
-        obstore.put(store, key, _another_version(originals[key]))
+        server.put(key, _another_version(originals[key]))
 
     def delete(request: Request) -> None:
-        obstore.delete(store, key_of(request))
+        server.delete(key_of(request))
 
     if case == "replaced":
         proxy.add(Fault("before", _payload, hook=replace))
@@ -277,7 +290,7 @@ async def _deadline(rank: int, world: int, root: Path, result: dict[str, Any]) -
     GET, the others hear of it in step; the reader and its GET threads, left waiting on the
     server, end once the server answers."""
     config = _config(root)
-    with FaultProxy(config["endpoint"]) as proxy:
+    with _server(config).proxy() as proxy:
         ckpt = _open(config, proxy)
         plan = distributed.rank_plan(ckpt, mode="replicated")
         if rank == 1:
@@ -304,12 +317,12 @@ async def _deadline(rank: int, world: int, root: Path, result: dict[str, Any]) -
 
 
 def _write_config(
-    directory: Path, server: SeaweedServer, uri: str, local: SyntheticCheckpoint
+    directory: Path, server: ObjectServer, uri: str, local: SyntheticCheckpoint
 ) -> Path:
     directory.mkdir()
     config = {
+        "scheme": server.scheme,
         "endpoint": server.endpoint,
-        "options": server.options(),
         "uri": uri,
         "local": str(local.root),
     }
@@ -363,11 +376,24 @@ def small_on_s3(
     return _write_config(tmp_path / "s3", s3_server, s3_small, small_checkpoint)
 
 
+#: SeaweedFS in the fast tier; the emulators' runs (the same code, other clients) slow.
+STORES = [
+    "s3",
+    pytest.param("gs", marks=pytest.mark.slow),
+    pytest.param("az", marks=pytest.mark.slow),
+]
+
+
 @pytest.mark.timeout(240)
-def test_ranks_load_from_s3_bit_exact_each_requesting_only_its_own_ranges(
-    tmp_path: Path, small_on_s3: Path
+@pytest.mark.parametrize("object_server", STORES, indirect=True)
+def test_ranks_load_from_each_store_bit_exact_each_requesting_only_its_own_ranges(
+    tmp_path: Path,
+    object_server: ObjectServer,
+    object_small: str,
+    small_checkpoint: SyntheticCheckpoint,
 ) -> None:
-    results = _spawn(tmp_path, 2, f"{HERE}:_modes", small_on_s3, pg_timeout=PG_TIMEOUT, wait=200)
+    config = _write_config(tmp_path / "store", object_server, object_small, small_checkpoint)
+    results = _spawn(tmp_path, 2, f"{HERE}:_modes", config, pg_timeout=PG_TIMEOUT, wait=200)
     assert all(r is not None for r in results), results
     assert [r["threads"] for r in results if r is not None] == [[], []]
     ranks = [r["loads"] for r in results if r is not None]
@@ -380,6 +406,7 @@ def test_ranks_load_from_s3_bit_exact_each_requesting_only_its_own_ranges(
             assert x["units"][0] == x["units"][1], (key, rank)
             assert x["digest"] == x["expected"], (key, rank)  # bit-exact with the local load
             assert x["pinned"], (key, rank)  # every GET If-Match the ETag recorded at open
+            assert x["generations"], (key, rank)  # and on GCS its generation
             assert x["unranged"] == [], (key, rank)  # never a whole object
             assert all(e - s <= OPTIONS.request_size for _, s, e in x["gets"]), (key, rank)
             # Each byte a rank asked for once: its GETs never overlap.
@@ -404,18 +431,21 @@ def test_ranks_load_from_s3_bit_exact_each_requesting_only_its_own_ranges(
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("object_server", STORES, indirect=True)
 def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
     tmp_path: Path,
-    s3_server: SeaweedServer,
+    object_server: ObjectServer,
     small_checkpoint: SyntheticCheckpoint,
 ) -> None:
-    upload(s3_server.store(), "dist-faults", small_checkpoint.root)
-    uri = "s3://models/dist-faults"
-    config = _write_config(tmp_path / "s3", s3_server, uri, small_checkpoint)
+    for path in sorted(small_checkpoint.root.rglob("*")):
+        if path.is_file():
+            object_server.put(f"dist-faults/{path.name}", path.read_bytes())
+    uri = f"{object_server.scheme}://models/dist-faults"
+    config = _write_config(tmp_path / "store", object_server, uri, small_checkpoint)
     results = _spawn(tmp_path, 2, f"{HERE}:_faults", config, pg_timeout=PG_TIMEOUT, wait=260)
     assert all(r is not None for r in results), results
     faults = [r["faults"] for r in results if r is not None]
-    assert [r["etags_back"] for r in results if r is not None] == [True, True]
+    assert [r["objects_back"] for r in results if r is not None] == [True, True]
     assert [r["threads"] for r in results if r is not None] == [[], []]
     for share in (False, True):
         for case in ("replaced", "deleted"):
@@ -429,7 +459,7 @@ def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
                 assert got["ranks"] in ([0], [1], [0, 1]), (case, share, rank, got)
                 assert got["ranks"] == faults[0][f"{case}/{share}"]["ranks"]
                 for error in got["errors"].values():
-                    assert error.startswith("FileChangedError: s3://models/dist-faults/"), error
+                    assert error.startswith(f"FileChangedError: {uri}/"), error
                     assert "object changed since the checkpoint was opened" in error, error
                     assert "bucket 'models', key 'dist-faults/" in error, error
                     assert ("is gone" in error) == (case == "deleted"), error
@@ -445,7 +475,7 @@ def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
                 assert got["type"] == "DistributedLoadError", (case, share, rank, got)
                 assert got["ranks"] == [1], (case, share, rank, got)  # only rank 1 faulted
                 said = got["message"].partition("failed on rank 1 of 2: ")[2]
-                assert said.startswith(tuple(f"{e}: s3://models/dist-faults/" for e in errors))
+                assert said.startswith(tuple(f"{e}: {uri}/" for e in errors))
                 assert "Timed out" not in got["message"], got
             assert faults[1][f"{case}/{share}"]["cause"] in errors
         assert "GET of bytes " in faults[1][f"cut-always/{share}"]["message"]
@@ -459,7 +489,7 @@ def test_faults_in_one_ranks_requests_fail_every_rank_in_step_naming_the_object(
         got = f["opened-apart"]
         assert got["type"] == "DistributedLoadError", got
         assert got["ranks"] == [1], got
-        assert "opened another version of s3://models/dist-faults/" in got["message"], got
+        assert f"opened another version of {uri}/" in got["message"], got
         assert "(ranks disagree before loading)" in got["message"], got
         assert got["gets"] == 0, got  # refused before any payload was asked for
 
