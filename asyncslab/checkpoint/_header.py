@@ -424,6 +424,10 @@ class TensorTable(Mapping[str, TensorInfo]):
         """Name -> number, read-only."""
         return MappingProxyType(self._at)
 
+    def numbers_of(self, names: Iterable[str]) -> list[int | None]:
+        """The number of each of ``names`` (``None`` for a name not in the table)."""
+        return list(map(self._at.get, names))
+
     def numbers_copy(self) -> dict[str, int]:
         """Name -> number, a dict of the caller's own."""
         return self._at.copy()

@@ -251,7 +251,7 @@ def check_index_matches(
     # Every entry is checked by C loops; Python loops run only to name a culprit. Each index
     # name found, no two naming the same tensor, as many as the headers hold, each in the
     # file the index says: then the two agree exactly.
-    found = list(map(tensors.numbers().get, index.names))
+    found = tensors.numbers_of(index.names)
     if len(found) == len(tensors) and None not in found:
         numbers = cast("list[int]", found)
         # Writers list names sorted (transformers) or in file order; either settles
