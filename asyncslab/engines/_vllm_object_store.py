@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from ..checkpoint._format import Checkpoint
-from ..checkpoint._object_store import client, parse_uri, refused, store_spec
+from ..checkpoint._object_store import client, endpoint, etag_of, parse_uri, refused, store_spec
 from ..checkpoint._source import SCHEMES, ObjectPath
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 
@@ -176,8 +175,7 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
             f"no config.json under {uri}: vLLM needs the model's config beside its weights",
             file=where,
         )
-    endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if scheme == "s3" else ""
-    digest = hashlib.sha256(f"{uri}\n{endpoint}".encode())
+    digest = hashlib.sha256(f"{uri}\n{endpoint(spec)}".encode())
     for key, meta in wanted.items():
         digest.update(f"\n{key}\n{meta.get('e_tag')}\n{meta.get('size')}".encode())
     target = _cache_root() / digest.hexdigest()[:24]
@@ -190,7 +188,7 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
             dest.parent.mkdir(parents=True, exist_ok=True)
             options: dict[str, Any] = {}
             if meta.get("e_tag"):
-                options["if_match"] = meta["e_tag"]  # as listed: the digest names this one
+                options["if_match"] = etag_of(meta)  # as listed: the digest names this one
             try:
                 data = obstore.get(store, key, options=options).bytes()  # type: ignore[arg-type]
             except Exception as err:

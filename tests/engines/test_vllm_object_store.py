@@ -1,5 +1,6 @@
 """``--load-format asyncslab`` with a model in object storage (``s3://bucket/prefix``), against
-real vLLM (its CPU build) and a real S3 server (SeaweedFS, ``tests/s3server.py``): vLLM gets
+real vLLM (its CPU build) and a real S3 server (SeaweedFS, ``tests/s3server.py``), and from
+``gs://`` and ``az://`` (fake-gcs-server, Azurite: ``tests/object_servers.py``): vLLM gets
 the config and tokenizer pulled by asyncslab's client, asyncslab streams the weights from the
 bucket straight into vLLM's parameters (every byte and the greedy tokens equal ``auto``'s from
 the same model's local files), request options reach the GETs, a missing tensor is refused
@@ -24,6 +25,7 @@ import pytest
 
 from asyncslab.engines._vllm_object_store import pull_config
 from asyncslab.errors import MissingFileError
+from tests.conftest import ObjectServer
 from tests.engines.test_vllm import (
     HERE,
     MISSING,
@@ -36,6 +38,7 @@ from tests.engines.test_vllm import (
 )
 from tests.engines.test_vllm import pytestmark as vllm_marks
 from tests.engines.vllm_models import write_model
+from tests.object_servers import AzuriteServer, GcsServer
 from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload
 
 pytestmark = vllm_marks
@@ -158,17 +161,23 @@ def test_vllm_still_needs_the_two_wrappers_and_takes_them(results: dict[str, Any
     assert "config.json" not in apart["pulled"]
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_an_s3_model_loads_every_byte_and_generates_as_auto_from_local_files(
-    results: dict[str, Any], models: dict[str, Path], name: str
-) -> None:
-    case = results["generate"][name]
+def _as_auto(case: dict[str, Any]) -> None:
+    """Every parameter byte, vLLM's parameter addresses and the greedy tokens as ``auto``
+    gives them from the local files."""
     assert case["same_names"]
     assert case["parameters"] > 10
     assert case["differ"] == []
     assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
     assert case["tokens"]["asyncslab"] == case["tokens"]["auto"]
     assert all(len(t) == 8 for t in case["tokens"]["auto"])
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_an_s3_model_loads_every_byte_and_generates_as_auto_from_local_files(
+    results: dict[str, Any], models: dict[str, Path], name: str
+) -> None:
+    case = results["generate"][name]
+    _as_auto(case)
     report = case["report"]
     assert report["files"] == len(list(models[name].glob("*.safetensors")))
     assert report["transformed"] == []
@@ -271,3 +280,44 @@ def test_a_pull_with_bad_credentials_is_refused_without_showing_them(
     assert f"{PREFIX}/llama" in str(caught.value)
     assert "not-the-secret" not in str(caught.value)
     assert caught.value.__cause__ is None
+
+
+def _store_env(server: GcsServer | AzuriteServer, cache: Path) -> dict[str, str]:
+    """Each cloud's own variables, as a deployment against its emulator sets them."""
+    if isinstance(server, GcsServer):
+        return _env(STORAGE_EMULATOR_HOST=server.endpoint, VLLM_ASSETS_CACHE=str(cache))
+    return _env(
+        AZURE_STORAGE_CONNECTION_STRING=server.connection_string(), VLLM_ASSETS_CACHE=str(cache)
+    )
+
+
+@pytest.mark.parametrize("object_server", ["gs", "az"], indirect=True)
+def test_a_gcs_or_azure_model_loads_every_byte_and_generates_as_auto_from_local_files(
+    object_server: ObjectServer, tmp_path: Path
+) -> None:
+    """``LLM(model="gs://..." | "az://...", load_format="asyncslab")``: config and tokenizer
+    pulled with the cloud's settings, every parameter byte and the greedy tokens equal
+    ``auto``'s from the same local files."""
+    assert not isinstance(object_server, SeaweedServer)
+    local = write_model(tmp_path / "llama", "llama", shards=2)
+    for path in sorted(local.iterdir()):
+        object_server.put(f"vllm-{object_server.scheme}/llama/{path.name}", path.read_bytes())
+    uri = f"{object_server.scheme}://models/vllm-{object_server.scheme}/llama"
+    extra = {"request_size": REQUEST_SIZE, "request_concurrency": 3}
+    cases = {"generate": [{"name": "llama", "local": str(local), "uri": uri, "extra": extra}]}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    run = subprocess.run(
+        [
+            sys.executable, str(HERE / "vllm_object_store_worker.py"),
+            str(tmp_path / "cases.json"), str(tmp_path / "out.json"),
+        ],
+        env=_store_env(object_server, tmp_path / "cache"), capture_output=True, text=True,
+        timeout=600, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-8000:]
+    case = json.loads((tmp_path / "out.json").read_text())["generate"]["llama"]
+    _as_auto(case)
+    assert case["report"]["files"] == len(list(local.glob("*.safetensors")))
+    assert case["config"]["model_weights"] == uri
+    assert "config.json" in case["config"]["pulled"]
+    assert not any(n.endswith(".safetensors") for n in case["config"]["pulled"])

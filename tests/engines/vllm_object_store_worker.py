@@ -1,8 +1,10 @@
 """Runs vLLM for ``tests/engines/test_vllm_object_store.py``, in a process of its own (as
-``vllm_worker.py``, whose helpers it uses), against the S3 server the environment names
-(``AWS_ENDPOINT_URL``, keys, region).
+``vllm_worker.py``, whose helpers it uses), against the store the environment names
+(``AWS_ENDPOINT_URL``, keys, region; ``STORAGE_EMULATOR_HOST``;
+``AZURE_STORAGE_CONNECTION_STRING``).
 
-``python tests/engines/vllm_object_store_worker.py CASES.json OUT.json``, CASES holding:
+``python tests/engines/vllm_object_store_worker.py CASES.json OUT.json``, CASES holding
+any of:
 
 - ``guard``: a local model directory and the URI of the same model. Recorded: whether
   asyncslab's plugin wrapped vLLM's two methods, the error vLLM's own config check raises
@@ -125,11 +127,8 @@ def refused(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     cases = json.loads(Path(sys.argv[1]).read_text())
-    result = {
-        "guard": guard(cases["guard"]),
-        "generate": generate(cases["generate"]),
-        "refused": refused(cases["refused"]),
-    }
+    runs = {"guard": guard, "generate": generate, "refused": refused}
+    result = {name: run(cases[name]) for name, run in runs.items() if name in cases}
     Path(sys.argv[2]).write_text(json.dumps(result, indent=1))
 
 
