@@ -194,6 +194,7 @@ class AsyncSlabLoader(BaseModelLoader):
         ]
         files: list[str] = []
         prefixes: list[tuple[str, list[str]]] = []
+        indexed: Checkpoint | None = None
         for source in sources:
             folder, found, use_safetensors, index_name = self._files._prepare_weights(
                 source.model_or_path,
@@ -219,10 +220,22 @@ class AsyncSlabLoader(BaseModelLoader):
                 # vLLM keeps the files the index lists and drops the rest; a file it lists
                 # that is not there, or a header that disagrees with it, is an error here
                 # (asyncslab's index checks: headers only), not tensors silently missing.
-                Checkpoint.open(index)
+                indexed = Checkpoint.open(index)
             files.extend(found)
             prefixes.append((source.prefix, found))
-        checkpoint = Checkpoint.open_files(files)
+        if (
+            len(prefixes) == 1
+            and indexed is not None
+            and sorted(str(f.path) for f in indexed.files) == sorted(str(Path(f)) for f in files)
+        ):
+            # One source, every file its index lists: that is the checkpoint, its headers
+            # parsed once (a large MoE's are tens of thousands of tensors).
+            checkpoint = indexed
+        else:
+            checkpoint = Checkpoint.open_files(files)
+        if len(prefixes) == 1 and not prefixes[0][0]:
+            # Every tensor, under its own name (the usual case; no per-tensor file lookup).
+            return checkpoint, {name: name for name in checkpoint.tensors}
         names: dict[str, str] = {}
         for prefix, found in prefixes:
             mine = {Path(f) for f in found}
