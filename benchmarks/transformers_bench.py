@@ -8,7 +8,7 @@ Models (bfloat16, random, written once by transformers' ``save_pretrained`` into
 ``--workdir`` and reused, per-expert tensors as published): ``mixtral``, the 1.47 GB
 Mixtral-like model of ``benchmarks/vllm_bench.py`` (18 layers x 8 experts); ``qwen3moe``, a
 Qwen3-MoE-like model with 128 experts a layer (8 layers, hidden 1024, expert width 256,
-about 1.7 GB, 3,200 tensors). Modes:
+1.79 GB, 3,147 tensors). Modes:
 
 * ``warm``: the files in the page cache;
 * ``cold``: the files evicted before each load (``posix_fadvise(DONTNEED)``, the share left
