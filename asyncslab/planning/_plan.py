@@ -13,6 +13,7 @@ rules are chosen here, at :func:`plan`'s entry, so no rule module imports this o
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import itertools
 import math
@@ -287,7 +288,7 @@ def _checked_routes(
     routes: Sequence[Route]
     tables = [part for part in parts if isinstance(part, RouteTable)]
     if len(tables) == len(parts) and tables and _valid_tables(tables, slabs):
-        routes = _in_payload_order(RouteTable.concat(tables))
+        routes = _in_payload_order(tables)
         index: Mapping[str, int] = RouteIndex(routes)
     else:
         routes = list(itertools.chain.from_iterable(parts))
@@ -312,21 +313,59 @@ def _checked_routes(
     return routes, index
 
 
-def _in_payload_order(table: RouteTable) -> RouteTable:
-    """``table``'s routes sorted by file, offset and tensor name, as a plan holds them.
+def _in_payload_order(tables: Sequence[RouteTable]) -> RouteTable:
+    """The tables' routes, merged and sorted by file, offset and tensor name, as a plan
+    holds them.
 
     A table's tensor numbers already run in file, then payload order, so sorting by number
     is the same sort, save where a zero-byte tensor shares its offset with another (payload
-    order puts the shorter first, a plan the name first): those few go by the full key."""
+    order puts the shorter first, a plan the name first): those go by the full key. Rules
+    claim in tensor order, so the merge is of sorted runs; where all but the largest table
+    are small (a model's dense tensors beside its experts), each of their routes is placed
+    by binary search and the columns are cut into runs, with no step per route."""
+    table = RouteTable.concat(tables)
+    tensors = table.tensors
     column = table.tensor
-    if not table.cuts and 0 not in table.nbytes():
-        if all(map(operator.lt, column, itertools.islice(column, 1, None))):
+    zero = {k for k, kind in enumerate(tensors.kinds) if kind[3] == 0}
+    if table.cuts or (zero and not zero.isdisjoint(map(tensors.ids.__getitem__, column))):
+        keys = list(zip(table.files(), table.src_offsets(), table.names(), strict=True))
+        if all(map(operator.le, keys, itertools.islice(keys, 1, None))):
             return table
-        return table.permuted(sorted(range(len(column)), key=column.__getitem__))
-    keys = list(zip(table.files(), table.src_offsets(), table.names(), strict=True))
-    if all(map(operator.le, keys, itertools.islice(keys, 1, None))):
+        return table.permuted(sorted(range(len(keys)), key=keys.__getitem__))
+    if all(map(operator.lt, column, itertools.islice(column, 1, None))):
         return table
-    return table.permuted(sorted(range(len(keys)), key=keys.__getitem__))
+    runs = _merge_runs([t.tensor for t in tables])
+    if runs is not None:
+        return table.runs(runs)
+    return table.permuted(sorted(range(len(column)), key=column.__getitem__))
+
+
+def _merge_runs(columns: Sequence[Sequence[int]]) -> list[tuple[int, int]] | None:
+    """``[start, stop)`` runs of positions in the concatenation of ``columns`` (each
+    increasing) that list it in increasing order, or ``None`` where that would take many
+    runs (columns not increasing, or more than one large)."""
+    for column in columns:
+        if not all(map(operator.lt, column, itertools.islice(column, 1, None))):
+            return None
+    starts = list(itertools.accumulate(map(len, columns), initial=0))
+    big = max(range(len(columns)), key=lambda i: len(columns[i]))
+    if 8 * (starts[-1] - len(columns[big])) > starts[-1]:
+        return None
+    # Every route of the small columns, by tensor, placed among the big one's.
+    small = sorted(
+        (t, starts[i] + k) for i, c in enumerate(columns) if i != big for k, t in enumerate(c)
+    )
+    runs: list[tuple[int, int]] = []
+    at, base = 0, starts[big]
+    for tensor, position in small:
+        cut = bisect.bisect_left(columns[big], tensor, at)
+        if cut > at:
+            runs.append((base + at, base + cut))
+        runs.append((position, position + 1))
+        at = cut
+    if at < len(columns[big]):
+        runs.append((base + at, base + len(columns[big])))
+    return runs
 
 
 def _valid_tables(tables: Sequence[RouteTable], slabs: Mapping[str, SlabSpec]) -> bool:

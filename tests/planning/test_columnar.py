@@ -185,3 +185,18 @@ def test_a_plan_of_tables_equals_itself_and_its_objects(moe: SyntheticCheckpoint
     frozen = dataclasses.replace(a, routes=tuple(a.routes))
     assert isinstance(frozen, Plan)
     assert frozen == a
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [[[0, 2, 5, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [1, 8]], [[3, 4], [0, 9, 10, 11]]],
+)
+def test_merged_runs_list_sorted_columns_in_order(columns: list[list[int]]) -> None:
+    from asyncslab.planning._plan import _merge_runs
+
+    flat = [t for c in columns for t in c]
+    runs = _merge_runs(columns)
+    if runs is None:  # more than one large column: the caller sorts
+        assert 8 * (len(flat) - max(map(len, columns))) > len(flat)
+        return
+    assert [flat[i] for a, b in runs for i in range(a, b)] == sorted(flat)
