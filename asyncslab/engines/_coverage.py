@@ -74,9 +74,14 @@ def plan_into(
     default."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
+    # Looked up once per tensor: a checkpoint's table builds each TensorInfo on access.
+    infos: dict[str, TensorInfo] = {}
 
     def info(name: str) -> TensorInfo:
-        return tensors[to_checkpoint.get(name, name)]
+        found = infos.get(name)
+        if found is None:
+            found = infos[name] = tensors[to_checkpoint.get(name, name)]
+        return found
 
     defaulted = _check_coverage(captured, list(required), frozenset(optional))
     specs: list[SlabSpec] = []
