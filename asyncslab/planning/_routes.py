@@ -186,17 +186,7 @@ class RouteTable(Sequence[Route]):
             return array.array(column.typecode, pick(column))
 
         where = {old: new for new, old in enumerate(order) if old in self.cuts}
-        return RouteTable(
-            self.tensors,
-            self.slabs,
-            take(self.tensor),
-            take(self.slab),
-            take(self.slot),
-            self.units,
-            take(self.unit),
-            {name: (take(codes), values) for name, (codes, values) in self.context.items()},
-            {where[old]: cut for old, cut in self.cuts.items()},
-        )
+        return self._taken(take, {where[old]: cut for old, cut in self.cuts.items()})
 
     def runs(self, runs: Sequence[tuple[int, int]]) -> RouteTable:
         """The routes of ``runs`` (``[start, stop)`` of route numbers) in turn: a
@@ -211,6 +201,12 @@ class RouteTable(Sequence[Route]):
                 out.extend(column[a:b])
             return out
 
+        return self._taken(take, {})
+
+    def _taken(
+        self, take: Callable[[array.array[int]], array.array[int]], cuts: Mapping[int, Cut]
+    ) -> RouteTable:
+        """This table with ``take`` applied to every per-route column."""
         return RouteTable(
             self.tensors,
             self.slabs,
@@ -220,6 +216,7 @@ class RouteTable(Sequence[Route]):
             self.units,
             take(self.unit),
             {name: (take(codes), values) for name, (codes, values) in self.context.items()},
+            cuts,
         )
 
     @classmethod
