@@ -321,6 +321,33 @@ def places(
     has no place for, :class:`CoverageError` for a parameter no tensor (or a wrong number
     of tensors) fills, :class:`ShapeMismatchError` and :class:`DtypeMismatchError`.
     Marks the conversions it used as transformers does (``was_used``), for saving."""
+    state = model.state_dict()
+    groups, also, skipped = _grouped(model, tensors, conversions, state)
+    missing_buffers, missing_tied = _uncovered(model, state, groups, also)
+    placed: list[Place] = []
+    converted: list[Converted] = []
+    for target, (converter, collected) in groups.items():
+        meta = state[target]
+        want = dtype_of(target, meta)
+        found = _place(target, converter, collected, meta, tensors, want, dtype, cast)
+        if isinstance(found, Converted):
+            converted.append(found)
+        else:
+            placed.extend(found)
+    return Places(
+        tuple(placed), tuple(converted), tuple(skipped), tuple(missing_buffers), tuple(missing_tied)
+    )
+
+
+_Groups = dict[str, tuple[Any, dict[str, list[str]]]]
+
+
+def _grouped(
+    model: Any, tensors: Mapping[str, Shape], conversions: Sequence[Any], state: dict[str, Any]
+) -> tuple[_Groups, dict[str, str], list[str]]:
+    """Per target, its converter (``None``: a plain rename) and its checkpoint tensors per
+    source pattern, in natural order; the other targets of converters that make several
+    (a Chunk's) -> the first; the tensors the model ignores on load."""
     from transformers.core_model_loading import (
         WeightConverter,
         WeightRenaming,
@@ -328,12 +355,6 @@ def places(
         rename_source_key,
     )
 
-    state = model.state_dict()
-    buffers = {n for n, _ in model.named_buffers()}
-    # target -> source; either may be absent when the other is there (from_pretrained ties
-    # whichever is loaded to the other, and unties two that differ).
-    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
-    partner = {**{s: t for t, s in tied.items()}, **tied}
     prefix = model.base_model_prefix
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
@@ -341,9 +362,7 @@ def places(
     ignored = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
     ]
-
-    groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
-    # The other targets of a converter that makes several (a Chunk's), from the first.
+    groups: _Groups = {}
     also: dict[str, str] = {}
     unmatched: list[str] = []
     skipped: list[str] = []
@@ -354,10 +373,7 @@ def places(
                 name, [], [], base_model_prefix=prefix, meta_state_dict=state
             )
         if target not in state:
-            if any(p.search(name) for p in ignored):
-                skipped.append(name)
-            else:
-                unmatched.append(name)
+            (skipped if any(p.search(name) for p in ignored) else unmatched).append(name)
             continue
         converter = by_pattern[pattern] if pattern is not None else None
         held, collected = groups.setdefault(target, (converter, {}))
@@ -381,7 +397,19 @@ def places(
             tensor=unmatched[0],
             unmatched=unmatched,
         )
+    return groups, also, skipped
 
+
+def _uncovered(
+    model: Any, state: Mapping[str, Any], groups: _Groups, also: Mapping[str, str]
+) -> tuple[list[str], list[str]]:
+    """The persistent buffers and tied weights no tensor writes (the model initialises or
+    ties them); raises for a parameter no tensor writes."""
+    buffers = {n for n, _ in model.named_buffers()}
+    # target -> source; either may be absent when the other is there (from_pretrained ties
+    # whichever is loaded to the other, and unties two that differ).
+    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+    partner = {**{s: t for t, s in tied.items()}, **tied}
     missing_buffers: list[str] = []
     missing_tied: list[str] = []
     for key in state:
@@ -389,62 +417,54 @@ def places(
             continue
         if key in partner and partner[key] in groups:
             missing_tied.append(key)
-            continue
-        if key in buffers:
+        elif key in buffers:
             missing_buffers.append(key)
-            continue
-        guess = _by_analogy(key, groups)
-        raise CoverageError(
-            f"parameter {key!r} {list(state[key].shape)} comes from no checkpoint tensor"
-            + (f"; by analogy, expected {guess!r}" if guess else ""),
-            tensor=guess,
-            slab=key,
-        )
+        else:
+            guess = _by_analogy(key, groups)
+            raise CoverageError(
+                f"parameter {key!r} {list(state[key].shape)} comes from no checkpoint tensor"
+                + (f"; by analogy, expected {guess!r}" if guess else ""),
+                tensor=guess,
+                slab=key,
+            )
+    return missing_buffers, missing_tied
 
-    placed: list[Place] = []
-    converted: list[Converted] = []
-    for target, (converter, collected) in groups.items():
-        meta = state[target]
-        want = dtype_of(target, meta)
-        leaves = {p: [_Leaf(n, tuple(tensors[n].shape)) for n in ns] for p, ns in collected.items()}
-        try:
-            node = (
-                _simulate(converter, leaves)
-                if converter is not None
-                else leaves[next(iter(leaves))][0]
+
+def _place(
+    target: str,
+    converter: Any,
+    collected: Mapping[str, list[str]],
+    meta: torch.Tensor,
+    tensors: Mapping[str, Shape],
+    want: torch.dtype,
+    dtype: torch.dtype,
+    cast: bool,
+) -> list[Place] | Converted:
+    """One target's tensors and their views of it, or the group left to transformers."""
+    leaves = {p: [_Leaf(n, tuple(tensors[n].shape)) for n in ns] for p, ns in collected.items()}
+    try:
+        node = (
+            _simulate(converter, leaves) if converter is not None else leaves[next(iter(leaves))][0]
+        )
+        found = _resolve(node, target, tuple(meta.shape), ())
+    except _NotPlacement as err:
+        return Converted(target, converter, _frozen(collected), str(err))
+    odd = [n for n in _leaves(node) if tensors[n].dtype != want]
+    if odd:
+        got = tensors[odd[0]].dtype
+        if not cast and want == dtype:
+            raise DtypeMismatchError(
+                f"dtype {got}, the model's {target!r} is {want}; asyncslab casts only when "
+                "asked (dtype=...)",
+                tensor=odd[0],
+                target=target,
+                expected=want,
+                got=got,
             )
-            found = _resolve(node, target, tuple(meta.shape), ())
-        except _NotPlacement as why:
-            converted.append(Converted(target, converter, _frozen(collected), str(why)))
-            continue
-        odd = [n for n in _leaves(node) if tensors[n].dtype != want]
-        if odd:
-            got = tensors[odd[0]].dtype
-            if not cast and want == dtype:
-                raise DtypeMismatchError(
-                    f"dtype {got}, the model's {target!r} is {want}; asyncslab casts only when "
-                    "asked (dtype=...)",
-                    tensor=odd[0],
-                    target=target,
-                    expected=want,
-                    got=got,
-                )
-            converted.append(
-                Converted(target, converter, _frozen(collected), f"cast from {got} to {want}")
-            )
-            continue
-        contiguous = all(p.view(meta).is_contiguous() for p in found)
-        if not contiguous:
-            converted.append(
-                Converted(
-                    target, converter, _frozen(collected), "not one byte run in the parameter"
-                )
-            )
-            continue
-        placed.extend(found)
-    return Places(
-        tuple(placed), tuple(converted), tuple(skipped), tuple(missing_buffers), tuple(missing_tied)
-    )
+        return Converted(target, converter, _frozen(collected), f"cast from {got} to {want}")
+    if not all(p.view(meta).is_contiguous() for p in found):
+        return Converted(target, converter, _frozen(collected), "not one byte run in the parameter")
+    return found
 
 
 def _frozen(collected: Mapping[str, list[str]]) -> Mapping[str, tuple[str, ...]]:
@@ -454,7 +474,7 @@ def _frozen(collected: Mapping[str, list[str]]) -> Mapping[str, tuple[str, ...]]
 _NUMBER = re.compile(r"\d+")
 
 
-def _by_analogy(key: str, groups: Mapping[str, tuple[Any, dict[str, list[str]]]]) -> str | None:
+def _by_analogy(key: str, groups: _Groups) -> str | None:
     """The checkpoint name a missing ``key`` would have, from a sibling (the same name but
     for its numbers: another layer's) whose tensors were found."""
     shape = _NUMBER.sub("#", key)
