@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -193,7 +193,6 @@ class _Prepared:
     views: dict[str, torch.Tensor]
     sources: dict[str, torch.Tensor]
     temporary: tempfile.TemporaryDirectory[str] | None = None
-    converters: dict[str, Any] = field(default_factory=dict)
 
     def close(self) -> None:
         if self.temporary is not None:
@@ -253,7 +252,7 @@ def _prepare(
             model, checkpoint.tensors, conversions, dtype_of=dtype_of, dtype=target, cast=cast
         )
         device = torch.device(device)
-        converters = _check_converted(model, found, checkpoint)
+        _check_converted(model, found, checkpoint)
         _allocate(model, found, dtype_of, device)
         built, views, sources = _plan(checkpoint, model, found, device)
     except BaseException:
@@ -274,7 +273,6 @@ def _prepare(
         views=views,
         sources=sources,
         temporary=temporary,
-        converters=converters,
     )
 
 
@@ -336,13 +334,12 @@ def _dtype_of(dtype_plan: Mapping[str, torch.dtype]) -> Any:
     return dtype_of
 
 
-def _check_converted(model: Any, found: Places, checkpoint: Checkpoint) -> dict[str, Any]:
+def _check_converted(model: Any, found: Places, checkpoint: Checkpoint) -> None:
     """Each converted group's converter, run once on meta stand-ins: its outputs must be
     the model's targets in their shapes, checked before any read."""
     from transformers.core_model_loading import WeightConverter
 
     state = model.state_dict()
-    out: dict[str, Any] = {}
     for group in found.converted:
         if not isinstance(group.converter, WeightConverter):
             continue
@@ -374,8 +371,6 @@ def _check_converted(model: Any, found: Places, checkpoint: Checkpoint) -> dict[
                     expected=tuple(state[name].shape),
                     got=tuple(value.shape),
                 )
-        out[group.target] = group.converter
-    return out
 
 
 def _run_converter(
