@@ -1,9 +1,16 @@
-"""Loads from S3 side by side: asyncslab, runai-model-streamer and a raw bound, then vLLM's
-load formats, from a local SeaweedFS and through an emulated remote link.
+"""Loads from object storage side by side: asyncslab, runai-model-streamer, tensorizer and
+a raw bound, then vLLM's load formats, from a local SeaweedFS, through an emulated remote
+link, and from GCS's and Azure's emulators.
 
-    pip install -e '.[test]' runai-model-streamer-s3
-    python benchmarks/s3_bench.py [--rounds 3] [--models mixtral,exl3] [--links local,remote]
-        [--contenders ...] [--exl3-size 3GiB] [--json OUT] [--quick]
+    pip install -e '.[test,peers]'
+    # or the peers kept out of a venv others share (runai's S3 client pins python-dateutil
+    # down): pip install --target PEERS --no-deps tensorizer runai-model-streamer-s3
+    # runai-model-streamer-gcs and their dependencies, then, runai's backends landing in
+    # PEERS' copy of its lib folder:
+    #   export PYTHONPATH=PEERS LD_LIBRARY_PATH=PEERS/runai_model_streamer/libstreamer/lib
+    python benchmarks/s3_bench.py [--rounds 3] [--models mixtral,exl3]
+        [--links local,remote,gcs,azure] [--contenders ...] [--exl3-size 3GiB] [--json OUT]
+        [--quick]
 
 Starts SeaweedFS on 127.0.0.1 (``tests/s3server.py``, as the tests do) and uploads two
 checkpoints: the 1.47 GB Mixtral-like bfloat16 model of ``benchmarks/vllm_bench.py`` and a
@@ -23,13 +30,23 @@ reversed every other round):
 - in vLLM (the Mixtral-like model): ``load_format`` ``asyncslab`` and ``runai_streamer`` with
   ``model="s3://..."``, ``load_weights`` timed (``benchmarks/vllm_bench.py``'s child);
   ``asyncslab`` there is reported "not available" until vLLM + asyncslab take ``s3://``;
+- tensorizer (the Mixtral-like model, S3 links): CoreWeave's serialiser, the state dict
+  written once with ``TensorSerializer`` into one object on the same server, read back by
+  its own ``TensorDeserializer`` from ``s3://`` (its HTTP reader, ``force_http``) into CPU
+  tensors;
 - links: ``local`` is the server itself; ``remote`` goes through the tests' proxy adding
   ``--latency-ms`` (20) to each request and capping each connection at ``--link-mbps``
   (100 MB/s), as one S3 connection over a distant link gives: there, concurrency decides.
+  ``gcs`` and ``azure`` are fake-gcs-server and Azurite on 127.0.0.1
+  (``tests/object_servers.py``), the Mixtral-like model only, reached by each cloud's own
+  variables (``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``): asyncslab and
+  the raw bounds on both, runai-model-streamer on GCS (its Azure build cannot reach
+  Azurite: the host is hard-coded).
 
 Prints one table per link (median seconds and range over rounds, GB/s, median peak RSS
 growth of the load), and the targets, never asserted: asyncslab within 1.1x of the faster
-raw bound (paired per round); at least 3x faster than ``runai_streamer`` in vLLM;
+raw bound (paired per round), on every store; at least 3x faster than ``runai_streamer`` in
+vLLM; faster than tensorizer's reader on the same model and link;
 asyncslab's peak RSS growth at most parameters + the in-flight budget (request size x
 concurrency) + 64 MiB. ``--quick`` uses small models (a smoke test); ``--json OUT`` writes
 every run and the summary.
@@ -56,17 +73,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tests' server and the other benchmarks, imported below
 
+from tests.object_servers import AzuriteServer, GcsServer  # noqa: E402
 from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload  # noqa: E402
 
 MiB = 1 << 20
 BUCKET = "models"
-LIBRARY = ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads")
+LIBRARY = ("asyncslab", "runai-model-streamer", "tensorizer", "raw-bound", "raw-bound-threads")
 #: The raw bounds: asyncslab is judged against the faster of them in each round.
 BOUNDS = ("raw-bound", "raw-bound-threads")
 VLLM = ("vllm:asyncslab", "vllm:runai_streamer")
 CONTENDERS = (*LIBRARY, *VLLM)
 MODELS = ("mixtral", "exl3")
-LINKS = ("local", "remote")
+LINKS = ("local", "remote", "gcs", "azure")
+#: The links to the emulators (the Mixtral-like model only) and who runs there.
+EMULATED = {
+    "gcs": ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads"),
+    "azure": ("asyncslab", "raw-bound", "raw-bound-threads"),
+}
 #: Where vLLM + asyncslab is to accept s3:// (issue 30, item 6); until then its row says so.
 VLLM_OBJECT_STORE_MODULE = "asyncslab.engines._vllm_object_store"
 #: The quick mode's Mixtral-like model: the same architecture, a few MB.
@@ -124,13 +147,38 @@ def payload_bytes(directory: Path) -> int:
 class Link:
     name: str
     endpoint: str
+    scheme: str = "s3"
+    env: tuple[tuple[str, str], ...] = ()  # how every contender reaches it
+
+
+def _serialised(workdir: Path, name: str, directory: Path) -> Path:
+    """``directory``'s tensors as one tensorizer file (written once, reused)."""
+    target = workdir / f"{name}.tensors"
+    if not target.exists():
+        from safetensors.torch import load_file
+        from tensorizer import TensorSerializer
+
+        tensors = {}
+        for shard in sorted(directory.glob("*.safetensors")):
+            tensors.update(load_file(shard))
+        serializer = TensorSerializer(str(target) + ".part")
+        serializer.write_state_dict(tensors)
+        serializer.close()
+        os.replace(str(target) + ".part", target)
+    return target
 
 
 @contextmanager
 def serving(
-    models: dict[str, Path], links: Sequence[str], latency_s: float, rate: float
+    models: dict[str, Path],
+    links: Sequence[str],
+    latency_s: float,
+    rate: float,
+    tensorizer: Path | None = None,
 ) -> Iterator[dict[str, Link]]:
-    """SeaweedFS with every model uploaded (``s3://models/NAME``), and the links to it."""
+    """SeaweedFS with every model uploaded (``s3://models/NAME``; with ``tensorizer`` a
+    workdir, each model's tensorizer file at ``s3://models/tensorizer/NAME.tensors``), the
+    emulators with the Mixtral-like model, and the links to them."""
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="s3-bench-")))
         server = SeaweedServer(tmp)
@@ -140,13 +188,41 @@ def serving(
             began = time.perf_counter()
             upload(server.store(BUCKET), name, directory)
             print(f"uploaded {name} in {time.perf_counter() - began:.1f} s", flush=True)
+            if tensorizer is not None and name == "mixtral":
+                serialised = _serialised(tensorizer, name, directory)
+                server.put(f"tensorizer/{name}.tensors", serialised.read_bytes())
         out = {}
         if "local" in links:
-            out["local"] = Link("local", server.endpoint)
+            out["local"] = Link("local", server.endpoint, env=_items(s3_env(server.endpoint)))
         if "remote" in links:
             proxy = stack.enter_context(FaultProxy(server.endpoint, latency_s=latency_s, rate=rate))
-            out["remote"] = Link("remote", proxy.endpoint)
+            out["remote"] = Link("remote", proxy.endpoint, env=_items(s3_env(proxy.endpoint)))
+        emulators = {"gcs": GcsServer, "azure": AzuriteServer}
+        for link, kind in emulators.items():
+            if link not in links or "mixtral" not in models:
+                continue
+            emulator = kind(tmp / link)
+            (tmp / link).mkdir()
+            emulator.start()
+            stack.callback(emulator.stop)
+            for path in sorted(models["mixtral"].iterdir()):
+                emulator.put(f"mixtral/{path.name}", path.read_bytes())
+            env = (
+                {
+                    "STORAGE_EMULATOR_HOST": emulator.endpoint,
+                    # runai-model-streamer's GCS client reads these.
+                    "CLOUD_STORAGE_EMULATOR_ENDPOINT": emulator.endpoint,
+                    "RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS": "1",
+                }
+                if isinstance(emulator, GcsServer)
+                else {"AZURE_STORAGE_CONNECTION_STRING": emulator.connection_string()}
+            )
+            out[link] = Link(link, emulator.endpoint, emulator.scheme, _items(env))
         yield out
+
+
+def _items(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(env.items()))
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
@@ -165,10 +241,13 @@ def s3_env(endpoint: str) -> dict[str, str]:
 # --------------------------------------------------------------------------- children
 
 
-def missing(contender: str) -> str | None:
+def missing(contender: str, link: str = "local") -> str | None:
     """Why ``contender`` cannot run here, or None."""
-    if "runai" in contender and importlib.util.find_spec("runai_model_streamer_s3") is None:
-        return "not available: pip install runai-model-streamer-s3"
+    client = "runai_model_streamer_gcs" if link == "gcs" else "runai_model_streamer_s3"
+    if "runai" in contender and importlib.util.find_spec(client) is None:
+        return f"not available: pip install {client.replace('_', '-')}"
+    if contender == "tensorizer" and importlib.util.find_spec("tensorizer") is None:
+        return "not available: pip install tensorizer"
     if contender.startswith("vllm:") and importlib.util.find_spec("vllm") is None:
         return "not available: vLLM is not installed"
     if contender == "vllm:asyncslab" and importlib.util.find_spec(VLLM_OBJECT_STORE_MODULE) is None:
@@ -178,7 +257,7 @@ def missing(contender: str) -> str | None:
 
 def child(contender: str, uri: str, link: Link) -> dict[str, Any]:
     """One load of ``uri`` by ``contender`` in a fresh process."""
-    env = dict(os.environ, **s3_env(link.endpoint))
+    env = dict(os.environ, **dict(link.env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if contender in ("asyncslab", "runai-model-streamer"):
         from asyncslab.cli._bench.worker import RESULT_MARK
@@ -272,6 +351,48 @@ def raw_threads(ckpt: Any, request: int, concurrency: int) -> float:
     for worker in workers:
         worker.join()
     return time.perf_counter() - began
+
+
+def child_tensorizer(uri: str) -> dict[str, Any]:
+    """tensorizer's own reader: ``TensorDeserializer`` over its ``s3://`` stream (plain
+    HTTP to the endpoint, as ``force_http`` asks), every tensor into CPU memory; peak RSS
+    growth as the worker measures it. Its clock starts before the stream is opened (the
+    stream's first request reads the file's header, as asyncslab's open does)."""
+    import hashlib
+
+    from tensorizer import TensorDeserializer
+    from tensorizer.stream_io import open_stream
+
+    from asyncslab.cli._bench.worker import Timed
+
+    timed = Timed()
+    timed.start()
+    stream = open_stream(
+        uri,
+        "rb",
+        s3_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+        s3_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
+        s3_endpoint=os.environ["AWS_ENDPOINT_URL"],
+        force_http=True,
+    )
+    tensors = TensorDeserializer(stream, device="cpu")
+    nbytes = sum(t.nbytes for t in tensors.values())
+    timed.stop()
+    rec = timed.record()
+    rec["bytes"] = nbytes
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(tensors[name].contiguous().view(-1).view(torch_uint8()).numpy().tobytes())
+    rec["checksum"] = digest.hexdigest()[:16]
+    tensors.close()
+    stream.close()
+    return rec
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
 
 
 def child_vllm(contender: str, uri: str) -> dict[str, Any]:
@@ -396,6 +517,9 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
                         below=True,
                     )
                 )
+            if (link, model, "tensorizer") in by:
+                ratio = _paired(runs, link, model, "asyncslab", "tensorizer")
+                lines.append(_verdict(f"{where}: asyncslab / tensorizer", ratio, 1.0, below=True))
             if model == "mixtral" and any(r["contender"].startswith("vllm:") for r in rows):
                 speedup = _paired(runs, link, model, "vllm:runai_streamer", "vllm:asyncslab")
                 lines.append(
@@ -459,6 +583,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         if args.child in BOUNDS:
             rec = child_raw(args.uri, threads=args.child == "raw-bound-threads")
+        elif args.child == "tensorizer":
+            rec = child_tensorizer(args.uri)
         else:
             rec = child_vllm(args.child, args.uri)
         print(RESULT + json.dumps(rec), flush=True)
@@ -482,13 +608,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {name: payload_bytes(path) for name, path in models.items()}
     runs: list[dict[str, Any]] = []
     link_settings = {"latency_ms": args.latency_ms, "link_mbps": args.link_mbps}
-    with serving(models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6) as links:
+    wanted = "tensorizer" in args.contenders and missing("tensorizer") is None
+    tensorizer = workdir if wanted else None
+    with serving(
+        models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6, tensorizer
+    ) as links:
         jobs = [
             (link, model, contender)
             for link in links
             for model in models
             for contender in args.contenders
-            if model == "mixtral" or contender in LIBRARY  # vLLM loads the Mixtral-like only
+            if _runs(link, model, contender)
         ]
         print(
             f"s3_bench: {', '.join(f'{m} {sizes[m] / 1e9:.3f} GB' for m in models)}; links "
@@ -498,12 +628,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for r in range(args.rounds):
             for link, model, contender in jobs if r % 2 == 0 else jobs[::-1]:
-                why = missing(contender)
-                result = (
-                    {"unavailable": why}
-                    if why
-                    else child(contender, f"s3://{BUCKET}/{model}", links[link])
-                )
+                why = missing(contender, link)
+                uri = f"{links[link].scheme}://{BUCKET}/{model}"
+                if contender == "tensorizer":
+                    uri = f"s3://{BUCKET}/tensorizer/{model}.tensors"
+                result = {"unavailable": why} if why else child(contender, uri, links[link])
                 runs.append(
                     {
                         "round": r,
@@ -530,16 +659,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _runs(link: str, model: str, contender: str) -> bool:
+    """Whether ``contender`` loads ``model`` over ``link``: vLLM and tensorizer the
+    Mixtral-like model, over S3; the emulators the Mixtral-like model, their contenders."""
+    if link in EMULATED:
+        return model == "mixtral" and contender in EMULATED[link]
+    return model == "mixtral" or contender in LIBRARY and contender != "tensorizer"
+
+
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """The tables and the targets of ``runs``."""
     rows = summarise(runs)
     lines = []
     for link in dict.fromkeys(run["link"] for run in runs):
-        extra = (
-            ""
-            if link == "local"
-            else f" (+{args.latency_ms:g} ms, {args.link_mbps:g} MB/s a connection)"
-        )
+        extra = {
+            "remote": f" (+{args.latency_ms:g} ms, {args.link_mbps:g} MB/s a connection)",
+            "gcs": " (fake-gcs-server on 127.0.0.1)",
+            "azure": " (Azurite on 127.0.0.1)",
+        }.get(link, "")
         lines += ["", f"link {link}{extra}:", "", *table(rows, link)]
     lines += ["", *targets(rows, runs)]
     print("\n".join(lines))

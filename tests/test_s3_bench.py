@@ -67,20 +67,25 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     seen = {(r["link"], r["model"], r["contender"]): r for r in rows}
     library = ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads")
+    mixtral_only = ("tensorizer", "vllm:asyncslab", "vllm:runai_streamer")
     expected = {
         (link, model, contender)
         for link in ("local", "remote")
         for model in ("mixtral", "exl3")
-        for contender in library
-        + (("vllm:asyncslab", "vllm:runai_streamer") if model == "mixtral" else ())
+        for contender in library + (mixtral_only if model == "mixtral" else ())
     }
+    # The emulators: the Mixtral-like model, asyncslab and the raw bounds (runai on GCS).
+    expected |= {("gcs", "mixtral", c) for c in library}
+    expected |= {("azure", "mixtral", c) for c in library if c != "runai-model-streamer"}
     assert set(seen) == expected
     for key, row in seen.items():
         assert row["status"] == "ok" or row["status"].startswith("not available"), (key, row)
     for contender in ("asyncslab", "raw-bound", "raw-bound-threads"):  # these always run
         assert seen[("local", "exl3", contender)]["status"] == "ok"
         assert seen[("remote", "exl3", contender)]["median_s"] > 0
-    for link in ("local", "remote"):
+        assert seen[("gcs", "mixtral", contender)]["median_s"] > 0
+        assert seen[("azure", "mixtral", contender)]["median_s"] > 0
+    for link in ("local", "remote", "gcs", "azure"):
         assert f"link {link}" in run.stdout
     assert "targets (measured vs goal; never asserted):" in run.stdout
     assert "asyncslab / the faster raw bound" in run.stdout
