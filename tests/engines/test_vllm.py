@@ -387,6 +387,28 @@ def test_many_experts_load_byte_for_byte_from_a_few_recorded_and_a_missing_one_i
     assert re.search(r"'model\.layers\.2\.[\w.]*w13_weight'", refused["message"])
 
 
+@pytest.mark.slow
+def test_many_experts_serve_autos_tokens_and_reload_as_auto_does(tmp_path: Path) -> None:
+    """The derived load then served: after vLLM's processing the greedy tokens equal
+    ``auto``'s; and ``reload_weights`` from another checkpoint of the same shape leaves the
+    same tokens and the same bytes as the same reload under ``auto``."""
+    arch, config = MANY_EXPERTS["mixtral-256"]
+    model = write_model(tmp_path / "m256", arch, shards=2, **config)
+    other = write_model(tmp_path / "m256-other", arch, shards=2, seed=1, **config)
+    _assert_greedy_equal(_worker("generate", [_case("mixtral-256", model)], tmp_path))
+    cases = [
+        {"name": "asyncslab", "model": str(model), "other": str(other)},
+        {"name": "auto", "model": str(model), "other": str(other), "format": "auto"},
+    ]
+    result = _worker("reload", cases, tmp_path)
+    ours, auto = result["asyncslab"], result["auto"]
+    assert "error" not in ours, ours
+    assert ours["before"] == auto["before"]
+    assert ours["after"] == auto["after"]
+    assert ours["before"] != ours["after"]  # the weights did change
+    assert ours["digests"] == auto["digests"]
+
+
 def test_fused_and_expert_parameters_take_several_tensors(loads: dict[str, Any]) -> None:
     """vLLM fuses q/k/v and gate/up, and stacks experts: fewer parameters than tensors."""
     for name in ("llama", "mixtral", "qwen2_moe"):
