@@ -226,7 +226,8 @@ def _plan(
         if isinstance(claimed, RouteTable) and claimed.tensors is not table:
             claimed = tuple(claimed)  # a table over another checkpoint: its routes' names
         placed = route_column(claimed, "tensor")
-        if len(set(placed)) != len(placed):  # slices of one tensor, or a fault
+        # A table routes whole tensors; one named twice is "routed twice" below.
+        if not isinstance(claimed, RouteTable) and len(set(placed)) != len(placed):
             claimed = tuple(claimed)
             _check_slices(claimed, checkpoint, rule)
             placed = list(dict.fromkeys(placed))
