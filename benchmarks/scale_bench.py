@@ -50,7 +50,6 @@ from typing import Any
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab.loading._schedule import schedule
 from asyncslab.loading._tracker import Tracker
-from asyncslab.planning._routes import route_column
 from asyncslab.testing import SyntheticSpec, write_synthetic
 
 #: 288,780 tensors (78 layers, 256 experts, 32 shards), then halves of it.
@@ -116,10 +115,24 @@ def _bare_parse(root: Path) -> int:
     return count
 
 
+#: The clock stages are timed with: wall time, or with ``--clock cpu`` this process's CPU
+#: time (every thread's), which other work on a shared machine disturbs less.
+clock: Callable[[], float] = time.perf_counter
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
+    started = clock()
     result = fn()
-    return time.perf_counter() - started, result
+    return clock() - started, result
+
+
+def _nbytes(routes: Any) -> list[int]:
+    # A tree from before the route tables (to time the same stages at an older commit).
+    try:
+        from asyncslab.planning._routes import route_column
+    except ImportError:
+        return [route.nbytes for route in routes]
+    return route_column(routes, "nbytes")
 
 
 def library_stages(case: Case) -> dict[str, float]:
@@ -132,12 +145,12 @@ def library_stages(case: Case) -> dict[str, float]:
     finally:
         gc.enable()
     gc.collect()
-    started = time.perf_counter()
+    started = clock()
     ckpt = Checkpoint.open(case.root)
-    out["open"] = time.perf_counter() - started
-    started = time.perf_counter()
+    out["open"] = clock() - started
+    started = clock()
     p = plan(ckpt, tier_map=case.tier_map)
-    out["plan"] = time.perf_counter() - started
+    out["plan"] = clock() - started
     options = LoadOptions()
     out["schedule"], _ = _timed(
         lambda: schedule(p, max_read=options.read_size, gap=options.coalesce_gap)
@@ -146,20 +159,20 @@ def library_stages(case: Case) -> dict[str, float]:
     def track() -> None:
         tracker = Tracker(p)
         tracker.begin(None)
-        for route, nbytes in enumerate(route_column(p.routes, "nbytes")):
+        for route, nbytes in enumerate(_nbytes(p.routes)):
             tracker.land(route, nbytes)
 
     out["tracker"], _ = _timed(track)
 
     async def load() -> tuple[float, float]:
         async with SlabSet(p, "cpu") as slabs:
-            started = time.perf_counter()
+            started = clock()
             await slabs.load(ckpt)
-            loaded = time.perf_counter() - started
-            started = time.perf_counter()
+            loaded = clock() - started
+            started = clock()
             for name in p.slabs:
                 slabs.slab(name)
-            return loaded, time.perf_counter() - started
+            return loaded, clock() - started
 
     out["load"], out["binding"] = asyncio.run(load())
     return out
@@ -185,8 +198,10 @@ opened = rss()
 p = plan(ckpt, tier_map=tier_map)
 gc.collect()
 after = rss()
-retained = tracemalloc.get_traced_memory()[0] if trace else 0
-print(json.dumps({"open": opened - before, "open_plan": after - before, "retained": retained}))
+retained, peak = tracemalloc.get_traced_memory() if trace else (0, 0)
+print(json.dumps(
+    {"open": opened - before, "open_plan": after - before, "retained": retained, "peak": peak}
+))
 """
 
 
@@ -208,10 +223,11 @@ def memory(case: Case, trace: bool) -> dict[str, int]:
             capture_output=True,
             text=True,
             timeout=600,
+            cwd=case.root,  # not the repository: the asyncslab on the path (PYTHONPATH first)
         )
         found = json.loads(done.stdout)
         if traced:
-            result["retained"] = found["retained"]
+            result.update(retained=found["retained"], peak=found["peak"])
         else:
             result.update(open=found["open"], open_plan=found["open_plan"])
     return result
@@ -233,7 +249,7 @@ def report(results: dict[str, Any]) -> str:
     rows = results["cases"]
     stages = list(rows[0]["seconds"])
     counts = [r["tensors"] for r in rows]
-    lines = ["microseconds per tensor (median of rounds):", ""]
+    lines = [f"microseconds per tensor ({results['clock']} clock, median of rounds):", ""]
     header = f"{'tensors':>9} " + " ".join(f"{s:>15}" for s in stages)
     lines += [header, "-" * len(header)]
     for r in rows:
@@ -241,7 +257,7 @@ def report(results: dict[str, Any]) -> str:
         lines.append(f"{r['tensors']:>9,} {cells}")
     lines += ["", "fitted (seconds = fixed + slope x tensors), and time per tensor at each"]
     lines += ["count over that at its half (linear: at most 1.05):", ""]
-    for s in stages:
+    for s in stages if len(rows) > 1 else ():
         times = [r["seconds"][s] for r in rows]
         fixed, slope = fit(counts, times)
         ratios = [
@@ -287,7 +303,12 @@ def report(results: dict[str, Any]) -> str:
         lines.append(
             f"  memory <= {TARGET_BYTES} B/tensor: RSS growth of open {mem['open'] / n:.0f}, of "
             f"open + plan {per:.0f} B/tensor ({_verdict(per <= TARGET_BYTES)})"
-            + (f"; retained {mem['retained'] / n:.0f} B/tensor" if "retained" in mem else "")
+            + (
+                f"; Python's allocations: retained {mem['retained'] / n:.0f}, peak "
+                f"{mem['peak'] / n:.0f} B/tensor"
+                if "retained" in mem
+                else ""
+            )
         )
     lines.append(
         f"\n{results['machine']}; load average before {results['load_before']}, "
@@ -337,14 +358,18 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="keep the checkpoints here")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory probes")
     ap.add_argument("--trace", action="store_true", help="also Python's retained bytes")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
+    global clock
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     directory = args.dir or Path(tempfile.mkdtemp(prefix="asyncslab-scale-"))
     directory.mkdir(parents=True, exist_ok=True)
     stage_fns = [STAGES[name] for name in args.stages.split(",")]
     counts = [int(c) for c in args.counts.split(",")]
     results: dict[str, Any] = {
+        "clock": args.clock,
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs), Python {platform.python_version()}",
         "load_before": f"{os.getloadavg()[0]:.2f}",
         "cases": [],
