@@ -439,7 +439,7 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             max_s=max(times),
             bytes=good[0]["bytes"],
             peak_growth=_median([r["peak_growth"] for r in good]),
-            open_plan_s=_median([r["plan_s"] for r in good if "plan_s" in r]),
+            open_plan_s=_median([r["plan_s"] for r in good if r.get("plan_s") is not None]),
             checksums=sorted({r["checksum"] for r in good if "checksum" in r}),
         )
         out.append(row)
@@ -520,7 +520,8 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
             if (link, model, "tensorizer") in by:
                 ratio = _paired(runs, link, model, "asyncslab", "tensorizer")
                 lines.append(_verdict(f"{where}: asyncslab / tensorizer", ratio, 1.0, below=True))
-            if model == "mixtral" and any(r["contender"].startswith("vllm:") for r in rows):
+            ran_vllm = any(c.startswith("vllm:") and (link, model, c) in by for c in CONTENDERS)
+            if model == "mixtral" and ran_vllm:
                 speedup = _paired(runs, link, model, "vllm:runai_streamer", "vllm:asyncslab")
                 lines.append(
                     _verdict(f"{where}: vLLM runai_streamer / asyncslab", speedup, 3.0, below=False)
