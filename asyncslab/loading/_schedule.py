@@ -12,14 +12,11 @@ cuts its reads at fixed, page-aligned boundaries instead: no two reads share a p
 
 from __future__ import annotations
 
-import bisect
-import itertools
-import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..planning._plan import Plan
-from ..planning._routes import route_column
+from ..planning._routes import RouteTable, route_column
 
 __all__ = ["Piece", "ReadOp", "Schedule", "schedule", "windows"]
 
@@ -55,60 +52,34 @@ class Schedule:
 def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
     if max_read <= 0:
         raise ValueError(f"max_read must be positive, got {max_read}")
-    routes = _Columns(plan)
-    keep = list(map(bool, routes.nbytes))
-    empty = list(itertools.compress(range(len(keep)), map(operator.not_, keep)))
-    index = list(itertools.compress(range(len(keep)), keep))
-    files, starts, sizes, dsts = (
-        list(itertools.compress(column, keep))
-        for column in (routes.files, routes.starts, routes.nbytes, routes.dsts)
-    )
-    ends = list(map(operator.add, starts, sizes))
-    small = [size <= max_read for size in sizes]
-    # Where a read may go on from the route before: same file, a gap of 0..gap bytes, and
-    # neither of the two split into chunks. Decided a column at a time; the loop below
-    # steps once per read, not once per route.
-    gaps = list(map(operator.sub, starts[1:], ends[:-1]))
-    joins = map(
-        all,
-        zip(
-            map(operator.eq, files[1:], files),
-            map(operator.le, itertools.repeat(0), gaps),
-            map(operator.ge, itertools.repeat(gap), gaps),
-            small[1:],
-            small,
-            strict=True,
-        ),
-    )
-    n = len(index)
-    cuts = [0, *itertools.compress(range(1, n), map(operator.not_, joins)), n] if n else [0]
     per_file: list[list[ReadOp]] = [[] for _ in plan.files]
-    for a, b in itertools.pairwise(cuts):
-        f = files[a]
-        if not small[a]:  # a tensor larger than a read: chunks, each a read of its own
-            r_start, nbytes, route, dst = starts[a], sizes[a], index[a], dsts[a]
-            for chunk in range(0, nbytes, max_read):
-                size = min(max_read, nbytes - chunk)
-                per_file[f].append(
-                    ReadOp(f, r_start + chunk, size, ((route, 0, dst + chunk, size),))
-                )
+    empty: list[int] = []
+    needed = 0
+
+    start = end = 0
+    pieces: list[Piece] = []
+    current = -1
+    for index, f, r_start, nbytes, dst in _Columns(plan).sized(empty):
+        needed += nbytes
+        r_end = r_start + nbytes
+        if pieces and f == current and 0 <= r_start - end <= gap and r_end - start <= max_read:
+            pieces.append((index, r_start - start, dst, nbytes))
+            end = r_end
             continue
-        while a < b:
-            # As many routes as fit in one read (ends only grow along a run of joins).
-            start = starts[a]
-            stop = bisect.bisect_right(ends, start + max_read, a, b)
-            pieces = tuple(
-                zip(
-                    index[a:stop],
-                    map(operator.sub, starts[a:stop], itertools.repeat(start)),
-                    dsts[a:stop],
-                    sizes[a:stop],
-                    strict=True,
-                )
-            )
-            per_file[f].append(ReadOp(f, start, ends[stop - 1] - start, pieces))
-            a = stop
-    return _assemble(per_file, empty, sum(sizes))
+        if pieces:
+            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+            pieces = []
+        current = f
+        if nbytes > max_read:
+            for chunk in range(0, nbytes, max_read):
+                n = min(max_read, nbytes - chunk)
+                per_file[f].append(ReadOp(f, r_start + chunk, n, ((index, 0, dst + chunk, n),)))
+            continue
+        start, end = r_start, r_end
+        pieces = [(index, 0, dst, nbytes)]
+    if pieces:
+        per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+    return _assemble(per_file, empty, needed)
 
 
 class _Columns:
@@ -116,12 +87,26 @@ class _Columns:
     offsets, sizes and slab offsets, a list each."""
 
     def __init__(self, plan: Plan) -> None:
-        file_index = {f.path: i for i, f in enumerate(plan.files)}
         routes = plan.routes
-        self.files = list(map(file_index.__getitem__, route_column(routes, "file")))
+        paths = [f.path for f in plan.files]
+        if isinstance(routes, RouteTable) and list(routes.tensors.paths) == paths:
+            self.files = routes.files()  # numbered in the same order already
+        else:
+            file_index = {path: i for i, path in enumerate(paths)}
+            self.files = list(map(file_index.__getitem__, route_column(routes, "file")))
         self.starts = route_column(routes, "src_offset")
         self.nbytes = route_column(routes, "nbytes")
         self.dsts = route_column(routes, "dst_offset")
+
+    def sized(self, empty: list[int]) -> Iterator[tuple[int, int, int, int, int]]:
+        """``(route, file, offset, nbytes, dst_offset)`` of each route with bytes; the
+        numbers of those without go to ``empty``."""
+        columns = zip(self.files, self.starts, self.nbytes, self.dsts, strict=True)
+        for index, (f, at, nbytes, dst) in enumerate(columns):
+            if nbytes:
+                yield index, f, at, nbytes, dst
+            else:
+                empty.append(index)
 
 
 def windows(plan: Plan, *, window: int) -> Schedule:
@@ -140,13 +125,7 @@ def windows(plan: Plan, *, window: int) -> Schedule:
     found: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     empty: list[int] = []
     needed = 0
-    routes = _Columns(plan)
-    for index, (f, at, nbytes, dst) in enumerate(
-        zip(routes.files, routes.starts, routes.nbytes, routes.dsts, strict=True)
-    ):
-        if nbytes == 0:
-            empty.append(index)
-            continue
+    for index, f, at, nbytes, dst in _Columns(plan).sized(empty):
         needed += nbytes
         end = at + nbytes
         while at < end:

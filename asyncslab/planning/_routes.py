@@ -166,7 +166,12 @@ class RouteTable(Sequence[Route]):
         return nbytes
 
     def dst_offsets(self) -> list[int]:
-        strides = [spec.slot_nbytes for spec in self.slabs]
+        if self.slot.count(0) == len(self.slot):  # one slot a slab (a dense checkpoint's)
+            return [0] * len(self.slot)
+        # Only the slabs routed into at a slot past the first: a property call each.
+        strides = [0] * len(self.slabs)
+        for number in set(itertools.compress(self.slab, self.slot)):
+            strides[number] = self.slabs[number].slot_nbytes
         return list(map(operator.mul, self.slot, map(strides.__getitem__, self.slab)))
 
     def slab_names(self) -> list[str]:
