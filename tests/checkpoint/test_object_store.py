@@ -126,6 +126,7 @@ def _put_many(server: ObjectServer, items: list[tuple[str, bytes]]) -> None:
 PAGE = {"s3": 1000, "gs": 1000, "az": 5000}
 
 
+@pytest.mark.timeout(300)  # a hang guard: 5,005 uploads to Azurite on a loaded machine
 @pytest.mark.parametrize(
     "object_server", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)], indirect=True
 )
