@@ -53,6 +53,12 @@ __all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
 #: generation config, chat template) is fetched.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
+#: From object storage, the GETs in flight unless the caller sets them: 8 of 4 MiB (the
+#: loader's default is 16 of 8 MiB). Each client thread's freed response buffers stay in its
+#: malloc arena, so what stays resident grows with the threads as much as with the bytes in
+#: flight; this keeps a load's peak within the parameters + 128 MiB.
+OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_size": 4 << 20}
+
 
 @dataclass(frozen=True, slots=True)
 class TransformersLoad:
@@ -104,9 +110,10 @@ def from_pretrained(
     dtype; a dtype casts to it, as transformers does. ``config`` replaces ``config.json``.
     ``storage_options`` configure the object-store client (else the environment's
     ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...; see docs/object-storage.md).
-    ``options`` are :class:`~asyncslab.LoadOptions` fields. Synchronous (a running event
-    loop is left alone: the reads run on a loop of their own thread); see
-    :func:`load_pretrained`."""
+    ``options`` are :class:`~asyncslab.LoadOptions` fields (from object storage,
+    ``request_concurrency`` and ``request_size`` default to :data:`OBJECT_STORE_REQUESTS`).
+    Synchronous (a running event loop is left alone: the reads run on a loop of their own
+    thread); see :func:`load_pretrained`."""
     return load(
         source,
         model_class=model_class,
@@ -132,7 +139,7 @@ async def load_pretrained(
 ) -> Any:
     """:func:`from_pretrained` for async code: building the model, planning and converting
     run on a worker thread, the reads on the caller's event loop, which never blocks."""
-    load_options = LoadOptions(**options)
+    load_options = _load_options(source, options)
     started = time.perf_counter()
     prepared = await asyncio.to_thread(
         _prepare, source, model_class, dtype, device, config, storage_options
@@ -161,7 +168,7 @@ def load(
     **options: Any,
 ) -> tuple[Any, TransformersLoad]:
     """:func:`from_pretrained`, and what the load did."""
-    load_options = LoadOptions(**options)
+    load_options = _load_options(source, options)
     import transformers  # noqa: F401  (its first import is no part of the load's time)
 
     started = time.perf_counter()
@@ -173,6 +180,14 @@ def load(
         return _finish(prepared, statistics, read - started, done - read)
     finally:
         prepared.close()
+
+
+def _load_options(source: str | os.PathLike[str], options: Mapping[str, Any]) -> LoadOptions:
+    """``options``, with :data:`OBJECT_STORE_REQUESTS` for what they leave unset when
+    ``source`` is in object storage."""
+    if _is_object_uri(os.fspath(source)):
+        options = {**OBJECT_STORE_REQUESTS, **options}
+    return LoadOptions(**options)
 
 
 # --- preparing: config, model on meta, places, storage, plan ----------------------------

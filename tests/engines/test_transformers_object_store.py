@@ -54,3 +54,24 @@ def test_from_s3_a_missing_tensor_or_config_is_named(
         ast.from_pretrained("s3://models/transformers/missing", storage_options=options)
     with pytest.raises(MissingFileError, match="no config.json under s3://models/transformers/no"):
         ast.from_pretrained("s3://models/transformers/no-config", storage_options=options)
+
+
+def test_from_object_storage_fewer_and_smaller_gets_are_in_flight_unless_set() -> None:
+    """Each client thread keeps its freed responses resident, so this path lowers the
+    in-flight defaults for object storage only, and an option set by the caller wins."""
+    from asyncslab.engines._transformers import OBJECT_STORE_REQUESTS, _load_options
+    from asyncslab.loading._options import LoadOptions
+
+    for uri in ("s3://models/m", "gs://models/m", "az://models/m"):
+        options = _load_options(uri, {})
+        assert options.request_concurrency == OBJECT_STORE_REQUESTS["request_concurrency"]
+        assert options.request_size == OBJECT_STORE_REQUESTS["request_size"]
+    assert (
+        OBJECT_STORE_REQUESTS["request_concurrency"] * OBJECT_STORE_REQUESTS["request_size"]
+        < LoadOptions().request_concurrency * LoadOptions().request_size
+    )
+    assert _load_options("/models/m", {}) == LoadOptions()
+    asked = _load_options("s3://models/m", {"request_size": 1 << 20, "io_workers": 2})
+    assert asked.request_size == 1 << 20
+    assert asked.request_concurrency == OBJECT_STORE_REQUESTS["request_concurrency"]
+    assert asked.io_workers == 2
