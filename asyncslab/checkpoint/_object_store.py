@@ -154,14 +154,20 @@ def _endpoint(scheme: str, settings: Mapping[str, str]) -> str:
 def endpoint(spec: StoreSpec) -> str:
     """Where ``spec``'s bucket is reached ("" for the cloud's own endpoint), for a cache key
     that must tell two servers' buckets of one name apart."""
+    settings = _settings(spec)
+    if spec.scheme == "az" and settings.get("use_emulator", "").lower() == "true":
+        return os.environ.get("AZURITE_BLOB_STORAGE_URL", "http://127.0.0.1:10000")
+    return _endpoint(spec.scheme, settings)
+
+
+def _settings(spec: StoreSpec) -> dict[str, str]:
+    """``spec``'s settings with the variables obstore does not read mapped in."""
     settings = dict(spec.settings)
     if spec.scheme == "gs":
-        settings = _gcs_settings(settings)
-    elif spec.scheme == "az":
-        settings = _azure_settings(settings)
-        if settings.get("use_emulator", "").lower() == "true":
-            return os.environ.get("AZURITE_BLOB_STORAGE_URL", "http://127.0.0.1:10000")
-    return _endpoint(spec.scheme, settings)
+        return _gcs_settings(settings)
+    if spec.scheme == "az":
+        return _azure_settings(settings)
+    return settings
 
 
 #: Settings (or variables obstore reads) that give a GCS client credentials.
@@ -245,11 +251,7 @@ def _client(
     # ``env``: the variables the client reads, so that a changed environment makes a new one.
     from obstore.store import AzureStore, GCSStore, S3Store
 
-    settings = dict(spec.settings)
-    if spec.scheme == "gs":
-        settings = _gcs_settings(settings)
-    elif spec.scheme == "az":
-        settings = _azure_settings(settings)
+    settings = _settings(spec)
     config = {k: v for k, v in settings.items() if k not in _CLIENT_KEYS}
     options: dict[str, Any] = {k: v for k, v in settings.items() if k in _CLIENT_KEYS}
     if _endpoint(spec.scheme, settings).startswith("http://"):
