@@ -448,3 +448,17 @@ def test_the_test_command_installs_the_azurite_the_fixture_names() -> None:
     root = Path(__file__).parents[2]
     for name in ("README.md", ".ci/run"):
         assert f"npm install --prefix .venv azurite@{AZURITE_VERSION}" in (root / name).read_text()
+
+
+def test_a_missing_emulator_fails_under_ci_and_skips_elsewhere_naming_its_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.object_servers import AZURITE_VERSION, missing
+
+    install = f"npm install --prefix .venv azurite@{AZURITE_VERSION}"
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=f"Azurite is not installed: {install}"):
+        missing("Azurite", install)
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=f"Azurite is not installed: {install}"):
+        missing("Azurite", install)
