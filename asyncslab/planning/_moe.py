@@ -155,6 +155,9 @@ def _layer_unit(layer: int) -> str:
     return f"layers.{layer}"
 
 
+#: Names matched at a time by the columnar path (see ``_Columnar._matched``).
+_CHUNK = 16384
+
 _ROUTE_COLUMNS = (
     "tensor file src_offset nbytes slab slot dst_offset unit layer expert shard suffix".split()
 )
@@ -647,23 +650,10 @@ class _Columnar:
 
     def claim(self, numbers: Mapping[str, int]) -> Claim | None:
         rule, table = self.rule, self.table
-        names = list(numbers)
-        matches = list(map(self.regex.fullmatch, names))
-        found = list(map(operator.is_not, matches, itertools.repeat(None)))
-        names = list(itertools.compress(names, found))
         fields = ["proj", "suffix", "layer", "expert", "prefix"]
         if "rank" in self.regex.groupindex:
             fields.append("rank")
-        # By number: a group looked up by name costs a dict lookup per name and field.
-        indices = [self.regex.groupindex[f] for f in fields]
-        groups = list(
-            map(operator.methodcaller("group", *indices), itertools.compress(matches, found))
-        )
-        del matches
-        columns: list[tuple[Any, ...]] = (
-            list(zip(*groups, strict=True)) if groups else [()] * len(fields)
-        )
-        del groups
+        names, columns = self._matched(list(numbers), fields)
         projs, suffixes, layer_texts, expert_texts, prefixes = columns[:5]
         if len(columns) > 5 and set(columns[5]) - {None}:
             return None  # rank-sliced
@@ -723,6 +713,30 @@ class _Columnar:
             skipped=(),
             extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
         )
+
+    def _matched(self, pending: list[str], fields: list[str]) -> tuple[list[str], list[list[Any]]]:
+        """The names the pattern matches, and per field the group's text for each.
+
+        A chunk at a time, each group's texts replaced by one object per distinct text: the
+        match objects, group tuples and per-name copies of ``"gate_proj"`` never exist for
+        every name at once (they would be several hundred bytes a name at the peak)."""
+        # By number: a group looked up by name costs a dict lookup per name and field.
+        group = operator.methodcaller("group", *(self.regex.groupindex[f] for f in fields))
+        canonical: list[dict[Any, Any]] = [{} for _ in fields]
+        names: list[str] = []
+        columns: list[list[Any]] = [[] for _ in fields]
+        for start in range(0, len(pending), _CHUNK):
+            chunk = pending[start : start + _CHUNK]
+            matches = list(map(self.regex.fullmatch, chunk))
+            found = list(map(operator.is_not, matches, itertools.repeat(None)))
+            names += itertools.compress(chunk, found)
+            groups = list(map(group, itertools.compress(matches, found)))
+            del matches
+            for column, texts, same in zip(
+                columns, zip(*groups, strict=True), canonical, strict=False
+            ):
+                column += map(same.setdefault, texts, texts)
+        return names, columns
 
     def _layer(
         self, layer: int, at: range | list[int], extent: int, checked: list[str]
