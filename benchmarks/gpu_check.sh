@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # The whole device check as one short run, from the repository root of a machine with one
-# CUDA device: the CUDA tests (and the CPU load and capture tests beside them), then the GPU
-# benchmark.
+# CUDA device: the CUDA tests (and the CPU load and capture tests beside them), the
+# transformers case (a small MoE loaded onto the GPU by transformers' own from_pretrained and
+# by asyncslab.transformers, compared bit for bit and timed), then the GPU benchmark.
 # Results land in $RESULTS/ (default: $OUT, the folder a remote run brings back, else
 # gpu-results/). If pytest-asyncio (>= 1.0, with its loop-factories hook) is missing there,
 # put its wheel in .whl/ first (pip download --no-deps -d .whl pytest-asyncio==1.5.0) and
-# carry it. Each step has a time limit (both within one 10-minute command), so that a hang
-# in one still leaves the other's results; the benchmark's JSON is rewritten after each row.
-# Where vLLM is importable, VLLM_BENCH_TIMEOUT=N (seconds; default 0: skipped, it does not
-# fit the same 10 minutes) adds benchmarks/vllm_bench.py --device cuda, one round.
+# carry it. Each step has a time limit (all three within one 10-minute command), so that a
+# hang in one still leaves the others' results; the benchmark's JSON is rewritten after each
+# row. The transformers case (skipped where transformers is not importable): TF_MODELS
+# (default qwen3moe: 128 experts a layer) written with --quick (small; TF_QUICK=0 for the
+# benchmark's full sizes, GBs to write), TF_ROUNDS rounds (default 3), TF_TIMEOUT seconds
+# (default 90); it exits 1 if a tensor or the logits differ. Where vLLM is importable,
+# VLLM_BENCH_TIMEOUT=N (seconds; default 0: skipped, it does not fit the same 10 minutes)
+# adds benchmarks/vllm_bench.py --device cuda, one round.
 set -uo pipefail
 results=${RESULTS:-${OUT:-gpu-results}}
 mkdir -p "$results"
@@ -36,6 +41,17 @@ python3 -c "import pytest_timeout" 2>/dev/null || echo "pytest-timeout missing: 
 timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/loading/test_cuda.py tests/loading/test_load.py tests/engines/test_capture.py -q \
   tests/distributed/test_distributed.py::test_shared_and_own_loads_into_cuda_slabs_are_bit_identical \
   -p no:cacheprovider -rs 2>&1 | tee "$results/pytest_cuda.log"
+tf_quick=--quick
+[ "${TF_QUICK:-1}" = 0 ] && tf_quick=
+if python3 -c "import transformers" 2>/dev/null; then
+  timeout -k 10 "${TF_TIMEOUT:-90}" python3 benchmarks/transformers_bench.py --device-check cuda \
+    --models "${TF_MODELS:-qwen3moe}" $tf_quick --rounds "${TF_ROUNDS:-3}" \
+    --workdir /tmp/asyncslab-tf-gpu --json "$results/transformers_cuda.json" 2>&1 \
+    | tee "$results/transformers_cuda.log"
+else
+  echo "transformers is not importable here: the transformers case skipped" \
+    | tee "$results/transformers_cuda.log"
+fi
 timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"
 if [ "${VLLM_BENCH_TIMEOUT:-0}" -gt 0 ]; then
