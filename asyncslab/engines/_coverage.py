@@ -20,19 +20,23 @@ layer's) shows which one.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import itertools
 import operator
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
 from ..checkpoint._format import Checkpoint, TensorInfo
 from ..errors import CoverageError
 from ..planning._plan import Plan, plan
+from ..planning._routes import RouteTable, numbers_of
 from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
 from ._recording import Capture, Run
 
@@ -84,28 +88,26 @@ def plan_into(
         return found
 
     defaulted = _check_coverage(captured, list(required), frozenset(optional))
-    specs: list[SlabSpec] = []
-    routes = []
+    grids: list[_Grid] = []
     views: dict[str, torch.Tensor] = {}
-    for target, runs in _grids(captured, info):
+    for target, whole, runs in _grids(captured, info):
         name, flat = captured.targets[target]
         first = runs[0]
         source = info(first.tensor)
-        count = first.nbytes // source.dtype.itemsize
+        # A run of a whole tensor takes its slot in the tensor's shape; a part of one (a
+        # rank's rows, say) in its elements.
+        item = source.shape if whole else (first.nbytes // source.dtype.itemsize,)
         spec = SlabSpec(
             name=f"{name}@{first.dst}",
             unit=unit_of_layer(name),
             dtype=source.dtype,
             slot_dims=(len(runs),),
-            item_shape=(count,),
+            item_shape=item,
             labels={"target": name},
         )
-        specs.append(spec)
-        for i, run in enumerate(runs):
-            start = run.src // source.dtype.itemsize
-            routes.append(make_route(info(run.tensor), spec, (i,), elements=(start, start + count)))
+        grids.append(_Grid(spec, whole, runs))
         end = first.dst + len(runs) * first.nbytes
-        views[spec.name] = flat[first.dst : end].view(source.dtype).view(len(runs), count)
+        views[spec.name] = flat[first.dst : end].view(source.dtype).view(len(runs), *item)
     # In checkpoint order, as they will be read.
     why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
     transformed = {n: why[n] for n in tensors if n in why}
@@ -116,8 +118,8 @@ def plan_into(
     # Claimed by name, not by ignore= patterns or a Dense pattern of every name: a model
     # served in another dtype has every tensor transformed, and matching each name against
     # a pattern per name is quadratic.
-    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=(*transformed, *skipped))
-    loaded = plan(checkpoint, [_Claimed(claim)])
+    rule = _Claimed(grids, info, to_checkpoint, (*transformed, *skipped))
+    loaded = plan(checkpoint, [rule])
     extras = dict(loaded.extras)
     extras["transformed_bytes"] = {n: tensors[n].nbytes for n in transformed}
     loaded = dataclasses.replace(loaded, extras=MappingProxyType(extras))
@@ -131,34 +133,80 @@ def plan_into(
     )
 
 
-def _grids(captured: Capture, info: Callable[[str], TensorInfo]) -> Iterator[tuple[int, list[Run]]]:
-    """The recorded runs as slabs: per destination, the runs of one size and dtype that lie
-    end to end, each one slot. A layer's experts written into their fused parameter are one
-    slab (a few hundred slots) rather than a slab each: what a plan costs grows with its
-    slabs, and an MoE model has tens of thousands of runs."""
-    by_kind: dict[tuple[int, int, torch.dtype], list[Run]] = defaultdict(list)
+def _grids(
+    captured: Capture, info: Callable[[str], TensorInfo]
+) -> Iterator[tuple[int, bool, list[Run]]]:
+    """The recorded runs as slabs: per destination, the runs of one size and dtype (and
+    shape, where each is a whole tensor) that lie end to end, each one slot. A layer's
+    experts written into their fused parameter are one slab (a few hundred slots) rather
+    than a slab each: what a plan costs grows with its slabs, and an MoE model has tens of
+    thousands of runs."""
+    by_kind: dict[tuple[Any, ...], list[Run]] = defaultdict(list)
     for run in captured.runs:
-        by_kind[run.target, run.nbytes, info(run.tensor).dtype].append(run)
-    for (target, nbytes, _), runs in by_kind.items():
+        source = info(run.tensor)
+        whole = run.src == 0 and run.nbytes == source.nbytes
+        by_kind[run.target, run.nbytes, source.dtype, source.shape if whole else None].append(run)
+    for (target, nbytes, _, shape), runs in by_kind.items():
         runs.sort(key=_DST)
         at = 0
         for i in range(1, len(runs) + 1):
             if i == len(runs) or runs[i].dst != runs[i - 1].dst + nbytes:
-                yield target, runs[at:i]
+                yield target, shape is not None, runs[at:i]
                 at = i
 
 
 _DST = operator.attrgetter("dst")
 
 
-class _Claimed:
-    """A rule that claims what was decided already."""
+@dataclass(frozen=True, slots=True)
+class _Grid:
+    spec: SlabSpec
+    #: Every run reads its whole tensor.
+    whole: bool
+    runs: list[Run]
 
-    def __init__(self, claim: Claim) -> None:
-        self._claim = claim
+
+class _Claimed:
+    """A rule that claims what was decided already: every recorded run a route into its
+    slot, and ``skipped`` (the transformed, those the loader drops) not placed."""
+
+    def __init__(
+        self,
+        grids: list[_Grid],
+        info: Callable[[str], TensorInfo],
+        names: Mapping[str, str],
+        skipped: tuple[str, ...],
+    ) -> None:
+        self._grids, self._info, self._names, self._skipped = grids, info, names, skipped
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
-        return self._claim
+        specs = tuple(g.spec for g in self._grids)
+        numbers = numbers_of(checkpoint, pending)
+        if numbers is not None and all(g.whole for g in self._grids):
+            # Columns, as the built-in rules claim: no Route object per run, checked a
+            # column at a time by the planner.
+            names = self._names
+            tensor, slab, slot = array.array("I"), array.array("I"), array.array("I")
+            for i, grid in enumerate(self._grids):
+                tensor.extend(numbers[names.get(r.tensor, r.tensor)] for r in grid.runs)
+                slab.extend(itertools.repeat(i, len(grid.runs)))
+                slot.extend(range(len(grid.runs)))
+            units = list(dict.fromkeys(spec.unit for spec in specs))
+            number = {u: i for i, u in enumerate(units)}
+            unit = array.array("I", (number[specs[i].unit] for i in slab))
+            table = RouteTable(checkpoint.table, specs, tensor, slab, slot, units, unit, {})
+            return Claim(slabs=specs, routes=table, skipped=self._skipped)
+        routes = []
+        for grid in self._grids:
+            for i, run in enumerate(grid.runs):
+                source = self._info(run.tensor)
+                if grid.whole:
+                    routes.append(make_route(source, grid.spec, (i,)))
+                    continue
+                start = run.src // source.dtype.itemsize
+                count = grid.spec.item_shape[0]
+                routes.append(make_route(source, grid.spec, (i,), elements=(start, start + count)))
+        return Claim(slabs=specs, routes=tuple(routes), skipped=self._skipped)
 
 
 # --- completeness, per byte ------------------------------------------------------------
