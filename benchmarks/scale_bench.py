@@ -24,6 +24,10 @@ and the library's targets: open + plan within 1.3x of the bare parse, open + pla
 schedule at most 3.5 us per tensor, and at most 256 bytes of memory per tensor for open +
 plan (RSS growth and Python's retained allocations, each count in a fresh process).
 
+The same in vLLM against ``auto`` (recording vLLM's loaders, planning, reads; 747 to 36,915
+tensors of Mixtral-likes, which vLLM can load where it cannot load EXL3) is
+``benchmarks/vllm_scale.py``.
+
 More stages plug in as one function each (see ``STAGES``): it takes a :class:`Case` (the
 count, the checkpoint's directory and tier map) and returns ``{stage: seconds}``; run them
 with ``--stages library,<name>``.
