@@ -24,7 +24,7 @@ and the library's targets: open + plan within 1.3x of the bare parse, open + pla
 schedule at most 3.5 us per tensor, and at most 256 bytes of memory per tensor for open +
 plan (RSS growth and Python's retained allocations, each count in a fresh process).
 
-The same in vLLM against ``auto`` (recording vLLM's loaders, planning, reads; 747 to 36,915
+The same in vLLM against ``auto`` (recording vLLM's loaders, planning, reads; 747 to 37,035
 tensors of Mixtral-likes, which vLLM can load where it cannot load EXL3) is
 ``benchmarks/vllm_scale.py``.
 

@@ -6,7 +6,7 @@ not bytes per tensor.
                                     [--json OUT] [--plot OUT.png]
 
 Each model has 24 layers of ``E`` experts on skinny dimensions (hidden 128, intermediate 32:
-an expert tensor is 8 KiB), ``24 x (3E + 7) + 3`` tensors: 747 at 8 experts, 36,915 at 512.
+an expert tensor is 8 KiB), ``24 x (3E + 7) + 3`` tensors: 747 at 8 experts, 37,035 at 512.
 Per model and round, one fresh process per format (``vllm_bench.py``'s child, warm page
 cache, the order reversed every other round) times ``load_weights``; asyncslab's report
 splits its time into recording vLLM's loaders (with vLLM's file selection and the headers'
