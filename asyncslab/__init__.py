@@ -13,8 +13,8 @@ checkpoint writer and a verifier: ``asyncslab.testing``. Beside: ``asyncslab.dis
 from . import errors as errors
 from . import rules as rules
 from ._public import publish as _publish
-from .checkpoint._format import Checkpoint, ShardFile, TensorInfo
-from .engines._binding import Target, bind_module
+from .checkpoint import Checkpoint, ShardFile, TensorInfo
+from .engines import Target, bind_module
 from .errors import (
     AsyncSlabError,
     BindError,
@@ -25,11 +25,18 @@ from .errors import (
     LoadError,
     PlanError,
 )
-from .loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
-from .planning._moe import TieredMoE, load_tier_map
-from .planning._plan import Plan, plan
-from .planning._rules import Dense, RowSlice, Stack, default_rules
-from .planning._vocabulary import Location
+from .loading import LoadOptions, LoadStatistics, SlabSet, load
+from .planning import (
+    Dense,
+    Location,
+    Plan,
+    RowSlice,
+    Stack,
+    TieredMoE,
+    default_rules,
+    load_tier_map,
+    plan,
+)
 
 __version__ = "0.1.0"
 

@@ -1,3 +1,3 @@
-from .cli._main import main
+from .cli import main
 
 raise SystemExit(main())

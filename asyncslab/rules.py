@@ -5,19 +5,19 @@ then checks the whole result. The built-in rules are here too. See ``docs/plans.
 """
 
 from ._public import publish as _publish
-from .planning._moe import ExpertPartition as ExpertPartition
-from .planning._moe import TieredMoE as TieredMoE
-from .planning._moe import load_tier_map as load_tier_map
-from .planning._rules import Dense as Dense
-from .planning._rules import RowSlice as RowSlice
-from .planning._rules import Stack as Stack
-from .planning._rules import default_rules as default_rules
-from .planning._vocabulary import Claim as Claim
-from .planning._vocabulary import Location as Location
-from .planning._vocabulary import Route as Route
-from .planning._vocabulary import Rule as Rule
-from .planning._vocabulary import SlabSpec as SlabSpec
-from .planning._vocabulary import make_route as make_route
+from .planning import Claim as Claim
+from .planning import Dense as Dense
+from .planning import ExpertPartition as ExpertPartition
+from .planning import Location as Location
+from .planning import Route as Route
+from .planning import RowSlice as RowSlice
+from .planning import Rule as Rule
+from .planning import SlabSpec as SlabSpec
+from .planning import Stack as Stack
+from .planning import TieredMoE as TieredMoE
+from .planning import default_rules as default_rules
+from .planning import load_tier_map as load_tier_map
+from .planning import make_route as make_route
 
 __all__ = [
     "Claim",

@@ -29,7 +29,7 @@ import torch
 import asyncslab
 import asyncslab.testing
 from asyncslab import LoadOptions
-from asyncslab.cli._main import parse_size
+from asyncslab._units import parse_size
 from asyncslab.loading._read import byte_view
 from asyncslab.loading._schedule import schedule
 

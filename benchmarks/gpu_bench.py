@@ -62,8 +62,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncslab._units import parse_size
 from asyncslab.cli._bench.runner import read_all
-from asyncslab.cli._main import parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30

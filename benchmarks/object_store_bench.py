@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import asyncslab  # noqa: E402
 from asyncslab import LoadOptions  # noqa: E402
-from asyncslab.cli._main import parse_size  # noqa: E402
+from asyncslab._units import parse_size  # noqa: E402
 from tests.s3server import SeaweedServer  # noqa: E402
 
 MiB = 1 << 20

@@ -549,7 +549,7 @@ def _verdict(label: str, value: float | None, goal: float, *, below: bool) -> st
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    from asyncslab.cli._main import parse_size
+    from asyncslab._units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)

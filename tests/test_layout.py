@@ -5,6 +5,7 @@ function), not cut anywhere."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import asyncslab
@@ -44,4 +45,135 @@ def test_the_scan_sees_an_oversized_unit(tmp_path: Path) -> None:
     (package / "mod.py").write_text(f"def small():\n    pass\n\n\ndef big():\n{body}\n")
     assert _oversized(package) == [
         f"pkg/mod.py:5:big:{MAX_FUNCTION_LINES + 1} lines (at most {MAX_FUNCTION_LINES})"
+    ]
+
+
+# --- stage order and internal APIs -------------------------------------------------------
+
+ROOT = Path(asyncslab.__file__).parent
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+# Under every stage: what any stage may import.
+FOUNDATION = {"errors", "_failures", "_public", "_units", "_os"}
+# The faces: above every stage.
+FACES = {"__init__", "__main__", "rules", "vllm", "transformers"}
+# Imports of a stage's private module from outside it, each for a reason docs/architecture.md
+# gives: the engines' glue imports vLLM or transformers, so only its face (and the command
+# line's --transformers) imports it; testing's __init__ is a public face with an exact
+# __all__, so the command line takes the demo's helpers from its modules.
+DIRECT = {
+    ("vllm", "engines._vllm"),
+    ("transformers", "engines._transformers"),
+    ("cli", "engines._transformers"),
+    ("cli", "testing._synthetic"),
+    ("cli", "testing._verify"),
+}
+
+
+def drawn_stage_order(architecture: str) -> list[str]:
+    """The stages in the order docs/architecture.md's tree draws them (``  name/  ...``)."""
+    block = architecture.split("```\nasyncslab/\n", 1)[1].split("```", 1)[0]
+    return re.findall(r"^  (\w+)/", block, flags=re.MULTILINE)
+
+
+def _imports(root: Path) -> list[tuple[str, int, str, str, list[str]]]:
+    """``(file, line, importing unit, imported module as dotted parts, names)`` for every
+    import of the package by the package, relative or absolute, lazy ones included. A unit
+    is a stage folder or a top-level module."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("").parts
+        package = list(rel[:-1])
+        unit = package[0] if package else rel[-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level >= 1:
+                    base = package[: len(package) - (node.level - 1)]
+                    target = [*base, *(node.module.split(".") if node.module else [])]
+                elif node.module and node.module.split(".")[0] == root.name:
+                    target = node.module.split(".")[1:]
+                else:
+                    continue
+                names = [alias.name for alias in node.names]
+                if not target:  # from . import x: x is a unit
+                    found += [(str(rel), node.lineno, unit, [name], []) for name in names]
+                else:
+                    found.append((str(path.relative_to(root)), node.lineno, unit, target, names))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    parts = alias.name.split(".")
+                    if parts[0] == root.name and len(parts) > 1:
+                        found.append(
+                            (str(path.relative_to(root)), node.lineno, unit, parts[1:], [])
+                        )
+    return found
+
+
+def _later_stage_imports(root: Path, order: list[str]) -> list[str]:
+    rank = {name: i + 1 for i, name in enumerate(order)}
+    rank.update({name: 0 for name in FOUNDATION})
+    rank.update({name: len(order) + 1 for name in FACES})
+    wrong = []
+    for where, line, unit, target, _ in _imports(root):
+        imported = target[0]
+        if imported == unit:
+            continue
+        assert unit in rank, (
+            f"{where}: {unit!r} is neither a stage drawn in docs/architecture.md nor a known module"
+        )
+        assert imported in rank, (
+            f"{where}:{line}: imports {imported!r}, which docs/architecture.md does not draw"
+        )
+        if rank[imported] > rank[unit]:
+            wrong.append(f"{where}:{line}: {unit} imports {'.'.join(target)}, a later stage")
+    return wrong
+
+
+def _private_module_imports(root: Path) -> list[str]:
+    wrong = []
+    for where, line, unit, target, _ in _imports(root):
+        if target[0] == unit or len(target) < 2 or not target[1].startswith("_"):
+            continue
+        if not (root / target[0]).is_dir():
+            continue  # a top-level module has no stage __init__ to go through
+        if (unit, ".".join(target[:2])) in DIRECT:
+            continue
+        wrong.append(f"{where}:{line}: imports {'.'.join(target)}; import it from {target[0]}")
+    return wrong
+
+
+def test_no_stage_imports_a_later_one() -> None:
+    order = drawn_stage_order(ARCHITECTURE.read_text())
+    stages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(order) == stages, "docs/architecture.md draws every stage, once"
+    wrong = _later_stage_imports(ROOT, order)
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_other_stages_import_a_stage_through_its_init() -> None:
+    wrong = _private_module_imports(ROOT)
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_import_checks_see_a_later_stage_and_a_private_module(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for stage in ("early", "late"):
+        (package / stage).mkdir(parents=True)
+        (package / stage / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "late" / "_inner.py").write_text("X = 1\n")
+    (package / "early" / "_mod.py").write_text(
+        "def f():\n    from ..late import X\n"
+        "    from pkg.late._inner import X as Y\n    return X, Y\n"
+    )
+    assert _later_stage_imports(package, ["early", "late"]) == [
+        "early/_mod.py:2: early imports late, a later stage",
+        "early/_mod.py:3: early imports late._inner, a later stage",
+    ]
+    assert _private_module_imports(package) == [
+        "early/_mod.py:3: imports late._inner; import it from late"
+    ]
+    assert drawn_stage_order("x\n```\nasyncslab/\n  a.py\n  early/  x\n  late/   y\n```\n") == [
+        "early",
+        "late",
     ]

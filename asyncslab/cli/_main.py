@@ -33,11 +33,10 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import torch
 
-from ..checkpoint._format import INDEX_SUFFIX, Checkpoint
-from ..checkpoint._source import SCHEMES, ObjectPath
+from ..checkpoint import INDEX_SUFFIX, SCHEMES, Checkpoint, ObjectPath
 from ..errors import AsyncSlabError, PlanError
-from ..loading._slabs import LoadOptions, LoadStatistics, SlabSet, load
-from ..planning._plan import Plan, plan
+from ..loading import LoadOptions, LoadStatistics, SlabSet, load
+from ..planning import Plan, plan
 from ..testing import _verify
 from ..testing._synthetic import (
     SyntheticCheckpoint,

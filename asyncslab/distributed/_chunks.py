@@ -1,6 +1,6 @@
 """Reading every needed byte range once in a process group, and sharing it.
 
-The pieces of ``share_reads=True`` (driven by ``_distributed._Session``): the global chunk
+The pieces of ``share_reads=True`` (driven by ``_session._Session``): the global chunk
 list every rank computes alike from every rank's needed ranges; this rank's reader of the
 chunks it owns; and the index that finds where a received chunk's bytes land in this
 rank's slabs (through the load's :class:`~asyncslab.loading._sink.Sink`, like any transfer).
@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 
 from ..errors import LoadError
-from ..loading._sink import Sink
-from ..planning._plan import Plan
+from ..loading import Sink
+from ..planning import Plan
 
 __all__ = [
     "POLL_S",

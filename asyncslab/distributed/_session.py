@@ -51,18 +51,24 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from ..checkpoint._format import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import (
     DistributedLoadError,
     LoadError,
     PlanError,
 )
-from ..loading._load import Load
-from ..loading._slabs import LoadOptions, SlabSet, begin_shared, is_closed, settled, void
-from ..planning._moe import EXL3_EXPERT_PATTERN, TieredMoE, load_tier_map
-from ..planning._plan import Plan, plan
-from ..planning._rules import Dense, RowSlice
-from ..planning._vocabulary import Claim, Rule
+from ..loading import Load, LoadOptions, SlabSet, begin_shared, is_closed, settled, void
+from ..planning import (
+    EXL3_EXPERT_PATTERN,
+    Claim,
+    Dense,
+    Plan,
+    RowSlice,
+    Rule,
+    TieredMoE,
+    load_tier_map,
+    plan,
+)
 from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
     ABORTED,

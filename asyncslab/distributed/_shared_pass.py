@@ -21,11 +21,8 @@ import torch
 
 from .._failures import first_line
 from ..errors import AsyncSlabError, IncompleteLoadError, LoadError
-from ..loading._load import Load
-from ..loading._options import LoadOptions
-from ..loading._pinned import pinned_bytes
-from ..loading._slabs import SlabSet
-from ..planning._plan import Plan
+from ..loading import Load, LoadOptions, SlabSet, pinned_bytes
+from ..planning import Plan
 from ._chunks import Chunk, ChunkReader, RouteIndex, SegmentSource, share_chunks, unpack_ranges
 from ._protocol import Abandoned, broadcast, describe
 

@@ -22,19 +22,20 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._format import Checkpoint
-from ..checkpoint._header import ShardFile
-from ..loading._load import open_checked
-from ..loading._options import LoadOptions
-from ..loading._read import byte_view, pread_scatter, scatter
-from ..loading._strategy_remote import (
+from ..checkpoint import Checkpoint, ShardFile
+from ..loading import (
+    LoadOptions,
+    byte_view,
     fetch,
+    open_checked,
+    pread_scatter,
     reads_objects,
     request_limits,
     response_tensor,
+    scatter,
     store_of,
 )
-from ..planning._plan import Plan
+from ..planning import Plan
 from ._chunks import Done, Segment, SegmentSource
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Stage 7: zero-copy binding. What kernels use is a view of a slab — never a copy.
+"""Engines, zero-copy binding. What kernels use is a view of a slab — never a copy.
 
 A module's parameters and buffers are replaced by views of slabs (or of single slots), with
 shape and dtype checked; anything left unbound is an error that lists it, so a model never
@@ -15,7 +15,7 @@ import torch
 from ..errors import BindError
 
 if TYPE_CHECKING:
-    from ..loading._slabs import SlabSet
+    from ..loading import SlabSet
 
 __all__ = ["bind_module", "Target"]
 

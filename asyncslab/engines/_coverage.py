@@ -33,11 +33,18 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._format import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import CoverageError
-from ..planning._plan import Plan, plan
-from ..planning._routes import RouteTable, numbers_of
-from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
+from ..planning import (
+    Claim,
+    Plan,
+    RouteTable,
+    SlabSpec,
+    make_route,
+    numbers_of,
+    plan,
+    unit_of_layer,
+)
 from ._recording import Capture, Run
 
 __all__ = ["IntoPlan", "plan_into"]

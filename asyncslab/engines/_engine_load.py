@@ -24,10 +24,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..checkpoint._format import Checkpoint
+from ..checkpoint import Checkpoint
 from ..errors import LoadError
-from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
-from ..loading._slabs import SlabSet
+from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
 from ._coverage import IntoPlan, plan_into
 from ._derive import capture_derived
 from ._hugepages import advise_huge_pages

@@ -21,7 +21,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..checkpoint._format import Checkpoint
+from ..checkpoint import Checkpoint
 from ._recording import Capture
 
 __all__ = ["Geometry", "Place", "Placement", "Placer", "placement"]

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..loading._strategy_mapped import libc_function
+from ..loading import libc_function
 
 __all__ = ["Prefault"]
 

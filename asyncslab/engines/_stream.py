@@ -41,14 +41,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..checkpoint._format import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import LoadError, ReadError
-from ..loading._load import open_checked
-from ..loading._options import LoadOptions
-from ..loading._slabs import SlabSet
-from ..loading._strategy_mapped import PopulateRegistry
-from ..planning._plan import Plan, plan
-from ..planning._rules import Dense
+from ..loading import LoadOptions, PopulateRegistry, SlabSet, open_checked
+from ..planning import Dense, Plan, plan
 
 __all__ = ["DEFAULT_WINDOW", "runner", "stream_tensors", "windows"]
 

@@ -11,10 +11,10 @@ target device; plan one run per tensor into those views and load it (a
 :class:`~asyncslab.SlabSet` over the model's own tensors). Groups whose conversion is not
 a placement (a transpose, a cast asked for) are read into buffers of their own in the same
 load and handed to transformers' own converter. Then ``from_pretrained``'s own finishing
-steps run (``_finalize_model_loading``: non-persistent buffers such as rotary ``inv_freq``
-computed, tied weights tied), the model is put in eval mode and its generation config read
-(``adjust_generation_fn``). ``tests/engines/test_transformers.py`` fails, never skips, when
-transformers changes what is used here.
+steps run (``PreTrainedModel._finalize_model_loading``: non-persistent buffers such as
+rotary ``inv_freq`` computed, tied weights tied), the model is put in eval mode and its
+generation config read (``adjust_generation_fn``). ``tests/engines/test_transformers.py``
+fails, never skips, when transformers changes what is used here.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._format import Checkpoint, TensorInfo
-from ..checkpoint._source import SCHEMES, ObjectPath
+from ..checkpoint import SCHEMES, Checkpoint, ObjectPath, TensorInfo
 from ..errors import (
     CheckpointError,
     LoadError,
@@ -40,10 +39,8 @@ from ..errors import (
     ShapeMismatchError,
     UnsafePathError,
 )
-from ..loading._options import LoadOptions, LoadStatistics, ProgressCallback
-from ..loading._slabs import SlabSet
-from ..planning._plan import Plan, plan
-from ..planning._vocabulary import Claim, SlabSpec, make_route, unit_of_layer
+from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
+from ..planning import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._engine_load import run_sync
 from ._transformers_places import Converted, Places, places
 
@@ -584,7 +581,7 @@ def _fetch_files(
     the environment and ``storage_options``, as for ``Checkpoint.open``)."""
     import obstore
 
-    from ..checkpoint._object_store import client, parse_uri, refused, store_spec
+    from ..checkpoint import client, parse_uri, refused, store_spec
 
     scheme, bucket, prefix = parse_uri(uri)
     scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open

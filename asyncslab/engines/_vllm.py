@@ -28,10 +28,10 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from ..checkpoint._format import Checkpoint, gc_paused
-from ..cli._progress import format_bytes
+from .._units import format_bytes
+from ..checkpoint import Checkpoint, gc_paused
 from ..errors import CheckpointError
-from ..loading._slabs import LoadOptions, LoadStatistics
+from ..loading import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
 from ._vllm_object_store import install, object_weights, open_checkpoint
 from ._vllm_reload import reload_tensors, remember

@@ -35,9 +35,17 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from ..checkpoint._format import Checkpoint
-from ..checkpoint._object_store import client, endpoint, etag_of, parse_uri, refused, store_spec
-from ..checkpoint._source import SCHEMES, ObjectPath
+from ..checkpoint import (
+    SCHEMES,
+    Checkpoint,
+    ObjectPath,
+    client,
+    endpoint,
+    etag_of,
+    parse_uri,
+    refused,
+    store_spec,
+)
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 
 __all__ = ["install", "is_object_uri", "object_weights", "open_checkpoint", "pull_config"]

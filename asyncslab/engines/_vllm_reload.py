@@ -37,9 +37,9 @@ from torch import nn
 from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 from vllm.model_executor.model_loader.reload.meta import materialize_layer
 
-from ..checkpoint._format import Checkpoint
-from ..cli._progress import format_bytes
-from ..loading._options import LoadOptions
+from .._units import format_bytes
+from ..checkpoint import Checkpoint
+from ..loading import LoadOptions
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, Placer, Resolve
 from ._stream import stream_tensors

@@ -1,4 +1,65 @@
 """The loading stage: the read schedule, positional reads, transfer strategies, the sink,
 the tracker, the slabs.
 
-Internal: the public names are re-exported by ``asyncslab`` and its public modules."""
+Internal. What other stages use is imported from here, never from the private modules;
+the public names are re-exported by ``asyncslab`` and its public modules."""
+
+from ._copy import direct_scatters as direct_scatters
+from ._load import Load as Load
+from ._load import open_checked as open_checked
+from ._options import LoadOptions as LoadOptions
+from ._options import LoadStatistics as LoadStatistics
+from ._options import ProgressCallback as ProgressCallback
+from ._pinned import pinned_bytes as pinned_bytes
+from ._read import byte_view as byte_view
+from ._read import pread_scatter as pread_scatter
+from ._read import scatter as scatter
+from ._schedule import schedule as schedule
+from ._sink import Sink as Sink
+from ._slabs import SlabSet as SlabSet
+from ._slabs import begin_shared as begin_shared
+from ._slabs import is_closed as is_closed
+from ._slabs import load as load
+from ._slabs import settled as settled
+from ._slabs import slab_layout as slab_layout
+from ._slabs import void as void
+from ._strategy_mapped import PAGE as PAGE
+from ._strategy_mapped import PopulateRegistry as PopulateRegistry
+from ._strategy_mapped import libc_function as libc_function
+from ._strategy_mapped import libc_mmap as libc_mmap
+from ._strategy_remote import fetch as fetch
+from ._strategy_remote import reads_objects as reads_objects
+from ._strategy_remote import request_limits as request_limits
+from ._strategy_remote import response_tensor as response_tensor
+from ._strategy_remote import store_of as store_of
+
+__all__ = [
+    "Load",
+    "LoadOptions",
+    "LoadStatistics",
+    "PAGE",
+    "PopulateRegistry",
+    "ProgressCallback",
+    "Sink",
+    "SlabSet",
+    "begin_shared",
+    "byte_view",
+    "direct_scatters",
+    "fetch",
+    "is_closed",
+    "libc_function",
+    "libc_mmap",
+    "load",
+    "open_checked",
+    "pinned_bytes",
+    "pread_scatter",
+    "reads_objects",
+    "request_limits",
+    "response_tensor",
+    "scatter",
+    "schedule",
+    "settled",
+    "slab_layout",
+    "store_of",
+    "void",
+]

@@ -6,7 +6,7 @@ and releases everything before :meth:`Load.run` returns or raises, also when can
 (after waiting for reads already inside a thread). Every task it starts has one owner, a
 task group in :meth:`Load.run`; the first failure cancels the rest.
 
-The :class:`~._loader.SlabSet` that made it keeps only what outlives a load: its memory,
+The :class:`~._slabs.SlabSet` that made it keeps only what outlives a load: its memory,
 its tracker, and this object for its statistics. Nothing here holds the ``SlabSet``, so an
 error whose traceback holds these frames never ties the slabs to the ``SlabSet``'s own
 references: cycles through a failed load's frames are cut where they form (see
@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..checkpoint._format import gc_paused
+from ..checkpoint import gc_paused
 from ..errors import (
     AsyncSlabError,
     FileChangedError,
@@ -35,8 +35,7 @@ from ..errors import (
     ReadError,
     ReadTimeoutError,
 )
-from ..planning._plan import Plan
-from ..planning._routes import route_column
+from ..planning import Plan, route_column
 from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
 from ._read import IoPool, ReadFeed
 from ._schedule import ReadOp, Schedule

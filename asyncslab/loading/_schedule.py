@@ -1,11 +1,11 @@
-"""Stage 3: turn a plan's routes into a few large positional reads.
+"""Loading, the schedule: turn a plan's routes into a few large positional reads.
 
 Routes come sorted by file and offset. Neighbours whose gap is at most ``gap`` bytes merge
 into one read of at most ``max_read`` bytes (the gap is read and discarded: one syscall
 beats two when the gap is small). A tensor larger than ``max_read`` is split into chunks, so
 staging buffers of a fixed size can carry any tensor. Pure: no I/O.
 
-A mapped load (see ``_mapped``) reads nothing: it registers each read's pages with CUDA and
+A mapped load (see ``_strategy_mapped``) reads nothing: it registers each read's pages with CUDA and
 copies out of them. CUDA refuses a page that is registered already, so :func:`windows`
 cuts its reads at fixed, page-aligned boundaries instead: no two reads share a page.
 """
@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..planning._plan import Plan
-from ..planning._routes import RouteTable, route_column
+from ..planning import Plan, RouteTable, route_column
 
 __all__ = ["Piece", "ReadOp", "Schedule", "schedule", "windows"]
 

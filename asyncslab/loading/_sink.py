@@ -4,7 +4,8 @@ A :class:`Sink` says where each route's bytes go (the byte tensor its slab lies 
 slab's offset there: DCP's ``resolve_tensor``) and takes each landing (``commit_tensor``):
 the loader's transfers and the distributed chunk protocol move bytes through it, and touch
 nothing else of the slabs. A :class:`TransferStrategy` is one way bytes travel from the
-shard files into the sink (``_direct``, ``_staged``, ``_mapped``; chosen in ``_transfer``).
+shard files into the sink (``_strategy_direct``, ``_strategy_staged``, ``_strategy_mapped``,
+``_strategy_remote``; chosen in ``_strategy``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .._failures import first_line
 from ..errors import LoadError
-from ..planning._plan import Plan
+from ..planning import Plan
 from ._pinned import StagingStatistics
 from ._read import Scatter
 from ._schedule import ReadOp, Schedule

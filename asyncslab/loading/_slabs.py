@@ -19,10 +19,9 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 import torch
 
 from .._failures import first_line
-from ..checkpoint._format import Checkpoint
+from ..checkpoint import Checkpoint
 from ..errors import ClosedError, IncompleteLoadError, LoadError, PlanError
-from ..planning._plan import Plan
-from ..planning._routes import route_column
+from ..planning import Plan, route_column
 from ._load import Health, Load, check_files, check_progress, uncancellable
 from ._options import (
     LoadOptions,

@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint._header import ShardFile
-from ..checkpoint._object_store import client, etag_of, failure_kind, pinned, redacted
+from ..checkpoint import ShardFile, client, etag_of, failure_kind, pinned, redacted
 from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
-from ..planning._plan import Plan
+from ..planning import Plan
 from ._copy import Copier
 from ._options import LoadOptions
 from ._pinned import StagingBuffers, StagingStatistics, staging_budget

@@ -1,5 +1,5 @@
-"""Stage 6: per-unit completeness. A slab is handed out only when every slot of its unit
-has landed (and, on a GPU, its copy has finished): an uninitialised backing never escapes.
+"""Loading, the tracker: per-unit completeness. A slab is handed out only when every slot of
+its unit has landed (and, on a GPU, its copy has finished): an uninitialised backing never escapes.
 
 Landing is counted in bytes per route, so a large tensor split into chunks lands when its
 last chunk does; a route landing more bytes than it has is a :class:`DuplicateLandingError`.
@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 from .._failures import detached
 from ..errors import DuplicateLandingError, IncompleteLoadError
-from ..planning._plan import Plan
-from ..planning._routes import route_column
+from ..planning import Plan, route_column
 
 __all__ = ["Tracker", "UnitState"]
 

@@ -24,7 +24,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
-from ..checkpoint._format import (
+from ..checkpoint import (
     Checkpoint,
     TensorInfo,
     TensorTable,

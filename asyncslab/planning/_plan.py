@@ -1,4 +1,4 @@
-"""Stage 2 of the data flow: where every tensor goes, decided and checked before any I/O.
+"""The planning stage: where every tensor goes, decided and checked before any I/O.
 
 A plan is pure data. Rules (see :mod:`asyncslab.planning._rules` and
 :mod:`asyncslab.planning._moe`) claim checkpoint tensors and say which slab and slot each one
@@ -7,7 +7,7 @@ the whole result — every slot covered exactly once, every dtype equal to the s
 comes from a schema, never from the first tensor seen), every shape equal to the slot's —
 and raises before a byte of payload is read.
 
-The vocabulary (slabs, slots, routes, claims) lives in ``_vocab``, a leaf; the default
+The vocabulary (slabs, slots, routes, claims) lives in ``_vocabulary``, a leaf; the default
 rules are chosen here, at :func:`plan`'s entry, so no rule module imports this one.
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from ..checkpoint._format import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
+from ..checkpoint import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
 from ..errors import (
     CoverageError,
     DtypeMismatchError,

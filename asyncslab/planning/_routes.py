@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, overload
 
-from ..checkpoint._format import Checkpoint, TensorInfo, TensorTable
+from ..checkpoint import Checkpoint, TensorInfo, TensorTable
 from ._vocabulary import Route, SlabSpec
 
 __all__ = ["Cut", "Pending", "RouteIndex", "RouteTable", "numbers_of", "route_column", "unravel"]

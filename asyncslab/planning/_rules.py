@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint._format import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
+from ..checkpoint import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
 from ..errors import CoverageError, DtypeMismatchError, PlanError
 from ._routes import RouteTable, numbers_of
 from ._vocabulary import (

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from ..checkpoint._format import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import PlanError
 
 # Column getters, shared by the planner and the rules: a plan of 300,000 routes is checked

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from ..loading._slabs import SlabSet
-from ..planning._plan import Plan
-from ..planning._vocabulary import Route
+from ..loading import SlabSet
+from ..planning import Plan, Route
 
 __all__ = ["ReferenceUnreadable", "Stopped", "VerifyResult", "sample_routes", "verify_slabs"]
 

@@ -117,7 +117,7 @@ def _human(n: float) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``bench`` options (of ``asyncslab bench`` and ``python -m asyncslab.cli._bench``)."""
-    from ...loading._slabs import LoadOptions
+    from ...loading import LoadOptions
 
     defaults = LoadOptions()
     parser.add_argument(
@@ -341,7 +341,7 @@ def _generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, 
 
 
 def _shard_files(checkpoint: Path) -> list[Path]:
-    from ...checkpoint._format import Checkpoint
+    from ...checkpoint import Checkpoint
 
     return [Path(f.path) for f in Checkpoint.open(checkpoint).files]
 
@@ -376,7 +376,7 @@ def _drop_cache(files: Iterable[Path]) -> float | None:
 
 def _cached_share(files: Sequence[Path]) -> float | None:
     """Share of the files' pages in the page cache (``mincore`` over a mapping of each)."""
-    from ...loading._strategy_mapped import PAGE, libc_function, libc_mmap
+    from ...loading import PAGE, libc_function, libc_mmap
 
     mincore = libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
     if mincore is None:
@@ -926,8 +926,8 @@ def _installed(contender: str) -> bool:
 def _bench_sized(
     args: argparse.Namespace, checkpoint: Path, report: dict[str, Any]
 ) -> tuple[list[str], int]:
-    from ...checkpoint._format import Checkpoint
-    from ...planning._plan import plan as make_plan
+    from ...checkpoint import Checkpoint
+    from ...planning import plan as make_plan
 
     t = time.perf_counter()
     ckpt = Checkpoint.open(checkpoint)

@@ -439,10 +439,7 @@ def run_bound(task: dict[str, Any], checkpoint: Any, plan: Any, *, threads: int)
     ``preadv`` calls into one preallocated buffer (slab by slab at asyncslab's offsets) by
     ``threads`` threads: what storage, page cache and memory can do, without asyncio or
     bookkeeping."""
-    from ...loading._copy import direct_scatters
-    from ...loading._read import pread_scatter
-    from ...loading._schedule import schedule
-    from ...loading._slabs import slab_layout
+    from ...loading import direct_scatters, pread_scatter, schedule, slab_layout
 
     options = task.get("options", {})
     read_size = options.get("read_size", 16 << 20)
