@@ -57,9 +57,7 @@ async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet)
     sched = schedule(plan, max_read=16 << 20, gap=64 << 10)
     bounce = bytearray(16 << 20)
     backing = slabs._backing
-    handles = {
-        i: await aiofiles.open(f.path, "rb", buffering=0) for i, f in enumerate(plan.files)
-    }
+    handles = {i: await aiofiles.open(f.path, "rb", buffering=0) for i, f in enumerate(plan.files)}
     try:
         for op in sched.ops:
             f = handles[op.file]
@@ -69,9 +67,7 @@ async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet)
             src = torch.frombuffer(bounce, dtype=torch.uint8, count=op.nbytes)
             for route, read_offset, dst_offset, nbytes in op.pieces:
                 start = slabs._route_base[route] + dst_offset
-                backing[start : start + nbytes].copy_(
-                    src[read_offset : read_offset + nbytes]
-                )
+                backing[start : start + nbytes].copy_(src[read_offset : read_offset + nbytes])
     finally:
         for f in handles.values():
             await f.close()

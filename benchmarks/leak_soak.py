@@ -198,9 +198,7 @@ def run(loop_name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     else:
         factory = asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(
-            soak(root, args.cycles, args.warmup, args.seed, args.pace, args.path)
-        )
+        return runner.run(soak(root, args.cycles, args.warmup, args.seed, args.pace, args.path))
 
 
 def main() -> None:
@@ -211,8 +209,10 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=0.0002, help="seconds per preadv")
     parser.add_argument("--loop", choices=["asyncio", "uvloop", "both"], default="both")
     parser.add_argument(
-        "--path", choices=["direct", "staged"], default="direct", help="reads straight into "
-        "the slabs, or through staging buffers (the CUDA path, on CPU)"
+        "--path",
+        choices=["direct", "staged"],
+        default="direct",
+        help="reads straight into the slabs, or through staging buffers (the CUDA path, on CPU)",
     )
     parser.add_argument("--rss-noise-mib", type=float, default=16.0)
     args = parser.parse_args()
