@@ -1,4 +1,4 @@
-"""Stage 1 of the data flow: a whole checkpoint's headers, validated, payload untouched.
+"""The checkpoint stage: a whole checkpoint's headers, validated, payload untouched.
 
 :class:`Checkpoint` opens a local file, an index or a directory, or an object-store URI
 (``s3://bucket/prefix``: see ``_object_store``); the header rules (``_header``) and the index

@@ -1,4 +1,4 @@
-"""Stage 1 of the data flow: safetensors headers, read and validated, payload untouched.
+"""The checkpoint stage: safetensors headers, read and validated, payload untouched.
 
 A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of UTF-8 JSON,
 then the payload. Everything a plan needs (names, dtypes, shapes, byte ranges) is in the
@@ -195,7 +195,7 @@ def loads_object(text: str, *, file: Path, what: str) -> dict[str, Any]:
     Duplicate keys must be caught, and a Python ``object_pairs_hook`` costs a call per
     object (a million for a large checkpoint). ``tuple`` as the hook runs in C, keeps every
     pair, and makes objects distinguishable from arrays (which stay lists); callers turn the
-    objects they use into dicts with :func:`_as_dict`, which checks for duplicates.
+    objects they use into dicts with :func:`as_dict`, which checks for duplicates.
     """
     # "-0" is the float -0.0 to the reference, so not a valid size or offset; Python would
     # read it as the integer 0. Checking for the two characters first keeps the hook (a

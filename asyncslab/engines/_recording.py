@@ -402,7 +402,7 @@ def _leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[Any]:
     """The tensors among an op's arguments (one level of lists or tuples deep, as aten
     schemas nest them, so ``tree_flatten``'s general walk is not needed): this runs for
     every op the loader dispatches, where ``tree_flatten`` would be a large share of
-    recording a model (figures in benchmarks/README.md)."""
+    recording a model (figures in docs/performance.md)."""
     out = []
     for value in itertools.chain(args, kwargs.values()):
         if isinstance(value, torch.Tensor):

@@ -1,4 +1,4 @@
-"""Stage 5: getting a read's bytes into their slots. Runs on I/O worker threads.
+"""Loading, the copies: getting a read's bytes into their slots. Runs on I/O worker threads.
 
 CPU target: no staging and no copy — :func:`read_direct` scatters the read straight into
 the slots' memory (the gaps between tensors go to a scratch buffer), so each byte is
@@ -7,8 +7,8 @@ written once; :func:`direct_scatters` works out those destinations once per plan
 CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into the slots on one
 of several streams, bytes as bytes (a ``uint8`` view on both sides, so no dtype conversion
 can ever happen), then waits on the event recorded after the copies — on the worker
-thread, never on the event loop — before the buffer may be reused. A mapped read (see
-``_mapped``) goes through the same copier, its source the registered pages themselves.
+thread, never on the event loop — before the buffer may be reused. A mapped read
+(see ``_strategy_mapped``) goes through the same copier, its source the registered pages.
 """
 
 from __future__ import annotations

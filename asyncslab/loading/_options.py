@@ -26,7 +26,7 @@ __all__ = [
 State = Literal["empty", "loading", "complete", "failed", "cancelled"]
 Transfer = Literal["auto", "direct", "staged", "mapped"]
 _TRANSFERS: tuple[Transfer, ...] = ("auto", "direct", "staged", "mapped")
-# Given the SlabSet (typed as such where SlabSet is: _loader).
+# Given the SlabSet (typed as such where SlabSet is: _slabs).
 UnitCallback = Callable[[str, Any], Awaitable[None]]
 ProgressCallback = Callable[["LoadStatistics"], None]
 
@@ -52,7 +52,8 @@ class LoadOptions:
     ``transfer``: how bytes reach the slabs. ``"direct"`` (CPU targets): read straight into
     the slabs. ``"staged"``: read into the pinned staging buffers, then copy. ``"mapped"``:
     map the shards and copy straight out of the page cache, each read's pages registered
-    with CUDA while they are copied from (no staging buffers; Linux; see ``_mapped``).
+    with CUDA while they are copied from (no staging buffers; Linux; see
+    ``_strategy_mapped``).
     ``"auto"``: direct on a CPU, staged on CUDA. Staged and mapped on a CPU target test
     those paths without a GPU (slower than direct). Mapped reads are cut at multiples of
     ``staging_bytes // staging_buffers`` and run on ``staging_buffers`` threads, as staged

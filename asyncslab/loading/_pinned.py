@@ -1,4 +1,5 @@
-"""Stage 4 (GPU targets): pinned host buffers under a byte budget, one per I/O thread.
+"""Loading, the staging buffers (GPU targets): pinned host buffers under a byte budget, one
+per I/O thread.
 
 A thread reads into its own buffer, enqueues the copies out of it and waits for them before
 its next read (the copier returns only then). So host memory stays at the budget whatever

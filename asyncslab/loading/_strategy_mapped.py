@@ -1,5 +1,5 @@
-"""Stage 4, mapped (``LoadOptions(transfer="mapped")``): copies straight out of the page
-cache, with no staging copy. Runs on I/O worker threads.
+"""Loading, the mapped transfer (``LoadOptions(transfer="mapped")``): copies straight out of
+the page cache, with no staging copy. Runs on I/O worker threads.
 
 A staged load copies every byte on the host (page cache -> pinned buffer) before the GPU
 copies it, so it is bounded by that host copy, which can be slower than what the GPU takes

@@ -1,6 +1,6 @@
 """The staged transfer (the CUDA default, ``LoadOptions(transfer="staged")``): each I/O
 thread reads into its own (pinned) staging buffer, then copies out of it into the slabs
-and waits for its copies before its next read (see ``_staging`` and ``_copy``)."""
+and waits for its copies before its next read (see ``_pinned`` and ``_copy``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Stage 4: the staging buffers of a staged (GPU) load, one per I/O thread."""
+"""Loading, the staging buffers of a staged (GPU) load, one per I/O thread."""
 
 from __future__ import annotations
 
