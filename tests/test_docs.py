@@ -11,6 +11,8 @@ What counts as a reference (anything else is prose and left alone):
   ``loading._strategy_mapped``, ``_read._preadv_raw``, Sphinx's ``~._slabs.SlabSet``,
   ``tests.helpers.until``: each module on the way exists, and the first name past the modules
   is defined in the last one;
+* a Sphinx role's target, ``:func:`plan```, ``:meth:`Load.run```: a name the package defines
+  (for ``:attr:``, any name of its code);
 * a private name alone in backticks, ``_vocabulary``: a module of the package, or a name the
   package defines (a function, a class, a name assigned in a module or class body);
 * in a comment, a private name alone (``# see _slabs``): a module, or any name of the code;
@@ -54,6 +56,7 @@ _DOTTED = re.compile(r"(?<![\w.])(~?\.*(?:[A-Za-z_]\w*\.)+[A-Za-z_]\w*)")
 _BACKTICKED = re.compile(r"(?<!`)``?(_[a-z][a-z0-9_]*)``?(?!`)")
 _BARE = re.compile(r"(?<![\w.`'\"])(_[a-z][a-z0-9_]*)(?![\w(`'\"])")
 _PATH_OR_TEST = re.compile(rf"{_PATH.pattern}|(?<![\w/.])::(\w+)")
+_ROLE = re.compile(r":(func|class|meth|attr|mod|data|exc|obj):`~?\.?([\w.]+)`")
 _EXTENSIONS = frozenset({"py", "md", "json", "sh", "txt", "toml", "png", "safetensors", "so"})
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
@@ -337,7 +340,15 @@ def _code_problems(tree: Tree, text: Text, report: Report, last_file: Path | Non
         why = _dotted_problem(tree, text, token)
         if why is not None:
             report(m, token, why)
-    for m in _BACKTICKED.finditer(without_paths):
+    for m in _ROLE.finditer(body):  # :func:`plan`: a name the package defines
+        role, target = m.group(1), m.group(2)
+        first, last = target.split(".")[0], target.rsplit(".", 1)[-1]
+        if "." in target and first[0].islower() and first not in (PACKAGE, *STAGES):
+            continue  # another library's module: :func:`ctypes.get_errno`
+        known = tree.identifiers if role in ("attr", "obj") else tree.definitions
+        if last not in known and last not in tree.modules:
+            report(m, m.group(0), "the package defines no such name")
+    for m in _BACKTICKED.finditer(_ROLE.sub(" ", without_paths)):
         if m.group(1) not in tree.modules and m.group(1) not in tree.definitions:
             report(m, m.group(1), "no module or definition of that name")
     if text.comment:
@@ -376,7 +387,8 @@ def _plant(root: Path) -> None:
     (package / "_real.py").write_text(
         '"""Reads through ``_real`` and ``_gone``; :class:`~._real.Real` and\n'
         ":class:`~._gone.Real`; see loading/_real.py and loading/_gone.py, ``_helper``\n"
-        'and ``_unhelpful``, `loading._real.Real` and `loading._real.Unreal`."""\n'
+        "and ``_unhelpful``, `loading._real.Real` and `loading._real.Unreal`; :class:`Real`,\n"
+        ':func:`gone`, :attr:`_state`, :func:`os.stat`."""\n'
         "\n"
         "\n"
         "class Real:\n"
@@ -416,9 +428,10 @@ def test_the_scan_reports_each_stale_reference_and_nothing_else(tmp_path: Path) 
         " (asyncslab.loading has no module or name _gone)",
         "asyncslab/loading/_real.py:3: loading._real.Unreal"
         " (asyncslab.loading._real has no module or name Unreal)",
+        "asyncslab/loading/_real.py:4: :func:`gone` (the package defines no such name)",
         "asyncslab/loading/_real.py:1: _gone (no module or definition of that name)",
         "asyncslab/loading/_real.py:3: _unhelpful (no module or definition of that name)",
-        "asyncslab/loading/_real.py:8: _gone2 (no module or name)",
+        "asyncslab/loading/_real.py:9: _gone2 (no module or name)",
         "README.md:5: docs/missing.md (no such file)",
         "README.md:5: docs/here.md#nowhere (no such heading)",
         "README.md:6: ::test_gone (no such test in tests/test_x.py)",
