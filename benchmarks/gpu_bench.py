@@ -48,7 +48,6 @@ asyncslab comes to what the host allows (a mapped load makes no host copy: it ma
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -62,6 +61,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncslab._os import loop_name, run
 from asyncslab._units import parse_size
 from asyncslab.cli._bench.runner import read_all
 
@@ -287,16 +287,13 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
     pass it, registration included. Returns ``{"error": ...}`` where registration fails
     (read-only registration unsupported: the staged design is all there is)."""
     import ctypes
+    import mmap
 
+    from asyncslab._os import MAP_FAILED, libc_mmap
     from asyncslab.loading._copy import _copy_pieces
     from asyncslab.loading._schedule import schedule
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = (
-        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
-    )  # fmt: skip
-    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    libc = libc_mmap()
     cudart = torch.cuda.cudart()
     ops = schedule(plan, max_read=32 << 20, gap=64 << 10).ops
     slabs = _DeviceSlabs(torch, plan, device)
@@ -308,10 +305,10 @@ def mapped_dma_bound(torch: Any, plan: Any, device: str, k: int) -> dict[str, An
         for f in plan.files:
             fd = os.open(str(f.path), os.O_RDONLY)
             try:
-                address = libc.mmap(None, f.size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                address = libc.mmap(None, f.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
             finally:
                 os.close(fd)  # the mapping keeps the file
-            if address in (None, ctypes.c_void_p(-1).value):
+            if address is None or address == MAP_FAILED:
                 return {"error": f"mmap failed: {os.strerror(ctypes.get_errno())}"}
             maps.append((address, f.size))
         torch.cuda.synchronize(device)
@@ -453,15 +450,8 @@ def load_asyncslab(
         out["verified"] = verify(plan, lambda r: slabs.view(r.tensor), k)
         await slabs.aclose()
 
-    try:
-        import uvloop
-    except ImportError:  # only the import: an ImportError inside a load is that load's
-        asyncio.run(main())
-        out["loop"] = "asyncio"
-    else:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main())
-        out["loop"] = "uvloop"
+    run(main())
+    out["loop"] = loop_name()
     out["streams"] = options.streams
     out["buffers"] = options.staging_buffers  # = its I/O threads
     out["transfer"] = transfer

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))  # the tests package, for its fault helpers
 import asyncslab  # noqa: E402
 import asyncslab.testing  # noqa: E402
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan  # noqa: E402
+from asyncslab._os import proc_status  # noqa: E402
 from asyncslab.loading import _read as read_module  # noqa: E402
 from asyncslab.testing import SyntheticSpec  # noqa: E402
 
@@ -73,11 +74,7 @@ class PacedOs:
 
 
 def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+    return proc_status()["VmRSS"] // 1024
 
 
 def torch_cpu_allocations() -> tuple[int, int]:

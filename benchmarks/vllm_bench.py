@@ -101,12 +101,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 
 def _status(field: str) -> int:
-    """A size from /proc/self/status (``VmRSS``, ``VmHWM``), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """A size from /proc/self/status (``VmRSS``, ``VmHWM``, ``RssAnon``), in bytes."""
+    from asyncslab._os import proc_status
+
+    return proc_status()[field]
 
 
 def _rss() -> int:

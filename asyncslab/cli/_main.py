@@ -33,6 +33,8 @@ from typing import Any, NoReturn, TextIO, TypeVar
 
 import torch
 
+from .. import _os
+from .._os import peak_rss as peak_rss_bytes
 from ..checkpoint import INDEX_SUFFIX, SCHEMES, Checkpoint, ObjectPath
 from ..errors import AsyncSlabError, PlanError
 from ..loading import LoadOptions, LoadStatistics, SlabSet, load
@@ -386,12 +388,7 @@ def _error(err: BaseException | str) -> None:
 def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
     """Run ``coro`` on uvloop when it is installed (servers use it), else on asyncio."""
     _fill_closed_std_fds()
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro)
+    return _os.run(coro)
 
 
 def _fill_closed_std_fds() -> None:
@@ -535,16 +532,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return str(value)
-
-
-def peak_rss_bytes() -> int | None:
-    """Peak resident set size of this process (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 # --------------------------------------------------------------------------- verification

@@ -40,7 +40,6 @@ import asyncio
 import concurrent.futures
 import hashlib
 import re
-import resource
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,6 +50,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from .._os import peak_rss
 from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import (
     DistributedLoadError,
@@ -289,10 +289,6 @@ class DistributedLoad:
 
 
 # --- the load ----------------------------------------------------------------------------
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _checkpoint_identity(checkpoint: Checkpoint) -> tuple[tuple[tuple[str, int, int], ...], str]:
@@ -579,7 +575,7 @@ class _Session:
             "bytes_sent": self.bytes_sent,
             "reads": self.reads,
             "elapsed_s": time.perf_counter() - self.started,
-            "peak_rss": _peak_rss(),
+            "peak_rss": peak_rss() or 0,
         }
 
 

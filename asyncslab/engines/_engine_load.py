@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .._os import run
 from ..checkpoint import Checkpoint
 from ..errors import LoadError
 from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
@@ -32,7 +33,7 @@ from ._derive import capture_derived
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._prefault import Prefault
-from ._stream import runner, stream_tensors
+from ._stream import stream_tensors
 
 __all__ = ["Engine", "EngineLoad", "WeightLoader", "host", "load_into_engine", "run_sync"]
 
@@ -221,6 +222,6 @@ def run_sync(work: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return runner()(work)
+        return run(work)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
-        return pool.submit(runner(), work).result()
+        return pool.submit(run, work).result()

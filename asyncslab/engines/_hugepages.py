@@ -14,19 +14,18 @@ and a loader must not be slower than the engine's default where they do not pay.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from .._os import MADV_HUGEPAGE, libc_madvise
+
 __all__ = ["HUGE_PAGE", "advise_huge_pages", "huge_pages_offered"]
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -48,7 +47,7 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     are not offered or the kernel refused)."""
     if not huge_pages_offered():
         return 0
-    madvise = _madvise()
+    madvise = libc_madvise()
     if madvise is None:
         return 0
     seen: set[int] = set()
@@ -63,18 +62,6 @@ def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         seen.add(start)
         first = -(-start // HUGE_PAGE) * HUGE_PAGE
         last = (start + storage.nbytes()) // HUGE_PAGE * HUGE_PAGE
-        if last > first and madvise(first, last - first, _MADV_HUGEPAGE) == 0:
+        if last > first and madvise(first, last - first, MADV_HUGEPAGE) == 0:
             advised += last - first
     return advised
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn

@@ -14,18 +14,15 @@ as before.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import threading
 from collections.abc import Iterable
 
 import torch
 
-from ..loading import libc_function
+from .._os import MADV_POPULATE_WRITE, PAGE, libc_madvise
 
 __all__ = ["Prefault"]
 
-_MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14+
 #: Bytes per call: small enough that a stop is seen soon, large beside a call's cost.
 _STEP = 32 << 20
 
@@ -43,7 +40,7 @@ class Prefault:
             storage = tensor.untyped_storage()
             if storage.nbytes():
                 spans.setdefault(storage.data_ptr(), storage.nbytes())
-        page = mmap.PAGESIZE
+        page = PAGE
         # Whole pages inside each storage only: a page it shares with other memory may lie
         # in a mapping this call must not touch.
         self._spans = [
@@ -56,7 +53,7 @@ class Prefault:
         self.finished = threading.Event()
         #: Bytes faulted in so far.
         self.populated = 0
-        self._madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+        self._madvise = libc_madvise()
         self._thread = threading.Thread(target=self._run, name="asyncslab-prefault", daemon=True)
 
     def __enter__(self) -> Prefault:
@@ -90,7 +87,7 @@ class Prefault:
                 if self._stopped.is_set():
                     return
                 step = min(_STEP, at - start)
-                if madvise(at - step, step, _MADV_POPULATE_WRITE) != 0:
+                if madvise(at - step, step, MADV_POPULATE_WRITE) != 0:
                     # Refused: a kernel without the call (EINVAL, as for any advice it does
                     # not know) or memory it cannot fault so (a read-only mapping: EINVAL
                     # too). The reads fault this storage as before; on to the next.

@@ -35,38 +35,22 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
 
 import torch
 
+from .._os import PAGE, run
 from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import LoadError, ReadError
 from ..loading import LoadOptions, PopulateRegistry, SlabSet, open_checked
 from ..planning import Dense, Plan, plan
 
-__all__ = ["DEFAULT_WINDOW", "runner", "stream_tensors", "windows"]
-
-T = TypeVar("T")
+__all__ = ["DEFAULT_WINDOW", "stream_tensors", "windows"]
 
 #: Bytes read ahead of the consumer: large enough to keep the I/O threads busy, small
 #: beside a checkpoint (and the memory the stream holds: two windows).
 DEFAULT_WINDOW = 256 << 20
-
-
-def runner() -> Callable[[Coroutine[Any, Any, T]], T]:
-    """``asyncio.run``, on uvloop where it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-
-    def run(work: Coroutine[Any, Any, T]) -> T:
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
-            return r.run(work)
-
-    return run
 
 
 def windows(infos: Sequence[TensorInfo], window_bytes: int) -> list[list[TensorInfo]]:
@@ -259,7 +243,7 @@ class _Stream:
 
     def _produce(self) -> None:
         try:
-            runner()(self._windows())
+            run(self._windows())
         except BaseException as err:  # handed to the consumer
             self._items.put(err)
         finally:
@@ -320,7 +304,7 @@ class _Stream:
     def _populated(self, whole: torch.Tensor, info: TensorInfo) -> None:
         """Fault ``info``'s bytes into ``whole``, its file's mapping."""
         path, start, end = info.file, info.offset, info.offset + info.nbytes
-        start -= start % mmap.PAGESIZE
+        start -= start % PAGE
         if end <= start:
             return
         try:

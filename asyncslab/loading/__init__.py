@@ -23,10 +23,7 @@ from ._slabs import load as load
 from ._slabs import settled as settled
 from ._slabs import slab_layout as slab_layout
 from ._slabs import void as void
-from ._strategy_mapped import PAGE as PAGE
 from ._strategy_mapped import PopulateRegistry as PopulateRegistry
-from ._strategy_mapped import libc_function as libc_function
-from ._strategy_mapped import libc_mmap as libc_mmap
 from ._strategy_remote import fetch as fetch
 from ._strategy_remote import reads_objects as reads_objects
 from ._strategy_remote import request_limits as request_limits
@@ -37,7 +34,6 @@ __all__ = [
     "Load",
     "LoadOptions",
     "LoadStatistics",
-    "PAGE",
     "PopulateRegistry",
     "ProgressCallback",
     "Sink",
@@ -47,8 +43,6 @@ __all__ = [
     "direct_scatters",
     "fetch",
     "is_closed",
-    "libc_function",
-    "libc_mmap",
     "load",
     "open_checked",
     "pinned_bytes",

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .._os import libc_preadv
 from ..errors import ReadError
 
 __all__ = [
@@ -196,19 +197,6 @@ def _preadv_via_os(fd: int, iov_address: int, entries: int, at: int) -> int:
     return os.preadv(fd, [byte_view(pairs[i], pairs[i + 1]) for i in range(0, 2 * entries, 2)], at)
 
 
-def _libc_preadv() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith(("linux", "darwin")) or _WORD != 8:
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).preadv
-    except (OSError, AttributeError):
-        return None
-    # A plain CDLL function: ctypes releases the GIL for the call, as os.preadv does.
-    fn.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-    fn.restype = ctypes.c_ssize_t
-    return _raising(fn)
-
-
 def _raising(fn: Callable[[int, int, int, int], int]) -> Callable[[int, int, int, int], int]:
     """``fn`` (a C ``preadv``: -1 and ``errno`` on failure) raising ``OSError`` instead, and
     retrying when interrupted by a signal, as ``os.preadv`` does (PEP 475)."""
@@ -223,6 +211,11 @@ def _raising(fn: Callable[[int, int, int, int], int]) -> Callable[[int, int, int
                 raise OSError(code, os.strerror(code))
 
     return preadv
+
+
+def _libc_preadv() -> Callable[[int, int, int, int], int] | None:
+    fn = libc_preadv()
+    return None if fn is None else _raising(fn)
 
 
 #: The one syscall under :func:`pread_scatter`: ``(fd, iovec array address, entries,

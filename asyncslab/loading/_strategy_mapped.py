@@ -28,13 +28,13 @@ import ctypes
 import errno
 import mmap
 import os
-import sys
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from .._failures import first_line
+from .._os import MADV_POPULATE_READ, MAP_FAILED, PAGE, libc_madvise, libc_mmap
 from ..errors import CudaError, ReadError
 from ._copy import Copier
 from ._options import LoadOptions
@@ -43,19 +43,14 @@ from ._schedule import ReadOp, windows
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
 
 __all__ = [
-    "PAGE",
     "CudaRegistry",
     "Mapped",
     "Mappings",
     "PopulateRegistry",
     "Registry",
-    "libc_function",
-    "libc_mmap",
     "page_span",
     "transfer",
 ]
-
-PAGE = mmap.PAGESIZE
 
 
 def page_span(op: ReadOp) -> tuple[int, int]:
@@ -113,20 +108,17 @@ class CudaRegistry:
         raise CudaError(f"{call} failed: {text} (CUDA error {code})", call=call, code=code)
 
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+
-
-
 class PopulateRegistry:
     """The CPU twin: faults the range in (``MADV_POPULATE_READ``), so that a file truncated
     since planning is an error here rather than SIGBUS in the copy. Where the kernel lacks
     it, nothing (the copy faults the pages in)."""
 
     def __init__(self) -> None:
-        self._madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+        self._madvise = libc_madvise()
 
     def register(self, address: int, nbytes: int) -> None:
         madvise = self._madvise
-        if madvise is None or madvise(address, nbytes, _MADV_POPULATE_READ) == 0:
+        if madvise is None or madvise(address, nbytes, MADV_POPULATE_READ) == 0:
             return
         code = ctypes.get_errno()
         if code in (errno.EINVAL, errno.ENOSYS):  # an older kernel: let the copy fault
@@ -157,7 +149,7 @@ class Mappings:
                     self._sources.append(None)
                     continue
                 address = mapper.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-                if address in (None, _MAP_FAILED):
+                if address is None or address == MAP_FAILED:
                     code = ctypes.get_errno()
                     raise OSError(code, f"cannot map {path}: {os.strerror(code)}")
                 self._maps.append((address, size))
@@ -232,47 +224,6 @@ def _registering(
             file=path,
             offset=start,
         ) from err
-
-
-class _Mmap:
-    def __init__(self, libc: ctypes.CDLL) -> None:
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = (
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_long,
-        )  # fmt: skip
-        self.munmap = libc.munmap
-        self.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
-        self.munmap.restype = ctypes.c_int
-
-
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_mapper: _Mmap | None = None
-
-
-def libc_mmap() -> _Mmap:
-    # libc's mmap rather than the mmap module: a module mmap exports its buffer only as a
-    # Python object, which cannot be closed while a tensor views it; here the address is
-    # plain and the load unmaps it when it is done.
-    global _mapper
-    if _mapper is None:
-        if not sys.platform.startswith("linux"):
-            raise OSError(errno.ENOTSUP, "mapped loads need Linux")
-        _mapper = _Mmap(ctypes.CDLL(None, use_errno=True))
-    return _mapper
-
-
-def libc_function(name: str, argtypes: tuple[type, ...]) -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
 
 
 class Mapped:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from asyncslab import Checkpoint, SlabSet
-from asyncslab.cli._bench.worker import proc_status
+from asyncslab._os import proc_status
 from asyncslab.engines._coverage import plan_into
 from asyncslab.engines._recording import capture
 from asyncslab.engines._stream import stream_tensors

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncslab._os import MADV_POPULATE_WRITE, libc_madvise
 from asyncslab.engines._prefault import Prefault
-from asyncslab.loading._strategy_mapped import libc_function
 from tests.helpers import HANG_S
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, Linux")
@@ -33,11 +33,11 @@ def _faults_writing(t: torch.Tensor) -> int:
 
 def _kernel_populates() -> bool:
     """Whether this kernel has ``MADV_POPULATE_WRITE``, asked of a page of its own."""
-    madvise = libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+    madvise = libc_madvise()
     page = mmap.mmap(-1, PAGE)
     try:
         address = ctypes.addressof(ctypes.c_char.from_buffer(page))
-        return madvise is not None and madvise(address, PAGE, 23) == 0
+        return madvise is not None and madvise(address, PAGE, MADV_POPULATE_WRITE) == 0
     finally:
         page.close()
 

@@ -376,9 +376,9 @@ def _drop_cache(files: Iterable[Path]) -> float | None:
 
 def _cached_share(files: Sequence[Path]) -> float | None:
     """Share of the files' pages in the page cache (``mincore`` over a mapping of each)."""
-    from ...loading import PAGE, libc_function, libc_mmap
+    from ..._os import MAP_FAILED, PAGE, libc_mincore, libc_mmap
 
-    mincore = libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
+    mincore = libc_mincore()
     if mincore is None:
         return None
     mapper = libc_mmap()
@@ -392,7 +392,7 @@ def _cached_share(files: Sequence[Path]) -> float | None:
         fd = os.open(path, os.O_RDONLY)
         try:
             address = mapper.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
+            if address is None or address == MAP_FAILED:
                 return None
             try:
                 if mincore(address, size, vec) != 0:

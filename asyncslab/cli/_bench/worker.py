@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..._os import loop_name, peak_rss, proc_status, reset_peak_rss, run
+
 T = TypeVar("T")
 
 RESULT_MARK = "@@asyncslab-bench-result@@ "
@@ -54,20 +56,6 @@ PEERS = {
 # --------------------------------------------------------------------------- memory
 
 
-def proc_status() -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon and RssFile of this process, in bytes (0 where unknown)."""
-    out = {"VmRSS": 0, "VmHWM": 0, "RssAnon": 0, "RssFile": 0}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in out:
-                    out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 def steal_ms() -> float | None:
     """CPU time the hypervisor has taken from this VM since boot, all CPUs together, in ms
     (the ``steal`` column of ``/proc/stat``, counted in clock ticks); ``None`` where the
@@ -80,23 +68,6 @@ def steal_ms() -> float | None:
     if len(fields) < 9 or fields[0] != "cpu":
         return None
     return int(fields[8]) * 1000 / os.sysconf("SC_CLK_TCK")
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False if unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    status = proc_status()
-    return status["VmHWM"] <= status["VmRSS"] + (1 << 20)
-
-
-def ru_maxrss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # --------------------------------------------------------------------------- helpers
@@ -201,7 +172,9 @@ class Timed:
         self.stop()
 
     def record(self) -> dict[str, Any]:
-        hwm = self.after["VmHWM"] if self.peak_reset else max(self.after["VmHWM"], ru_maxrss())
+        hwm = self.after["VmHWM"]
+        if not self.peak_reset:  # VmHWM is the process's peak then: ru_maxrss may say more
+            hwm = max(hwm, peak_rss() or 0)
         out: dict[str, Any] = {
             "seconds": (
                 statistics.median(self.pass_seconds) if self.pass_seconds else self.t1 - self.t0
@@ -360,16 +333,8 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
         out["verified"] = verify(plan, lambda r: slabs.view(r.tensor), task["verify"])
         await slabs.aclose()
 
-    loop_name = "asyncio"
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main())
-    else:
-        loop_name = "uvloop"
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main())
-    out["loop"] = loop_name
+    run(main())
+    out["loop"] = loop_name()
     out["lag_ms"] = lag_summary(lags)
     out["lag_samples_ms"] = [round(x * 1e3, 4) for x in lags]
     out["options"] = {k: getattr(options, k) for k in ("io_workers", "read_size", "coalesce_gap")}
