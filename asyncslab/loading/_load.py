@@ -60,7 +60,8 @@ class Health:
 class Load:
     """One load into ``sink`` (``strategy`` None: the bytes are moved by someone else, a
     distributed load's chunk protocol, through :meth:`land`). ``state`` is ``"empty"`` for
-    the idle object a SlabSet reports before its first load."""
+    the idle object a SlabSet reports before its first load. ``clock`` times each read in
+    flight against ``read_timeout`` (see ReadFeed)."""
 
     def __init__(
         self,
@@ -73,8 +74,10 @@ class Load:
         read_plans: dict[tuple[str, int, int], Reads],
         health: Health,
         state: State = "loading",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.plan = plan
+        self.clock = clock
         self.sink = sink
         self.tracker: Tracker = sink.tracker
         self.options = options
@@ -357,6 +360,7 @@ class Load:
             workers,
             max_bytes_per_s=options.max_bytes_per_s,
             started=self.started,
+            clock=self.clock,
         )
         loop = asyncio.get_running_loop()
         me = asyncio.current_task()

@@ -43,7 +43,6 @@ __all__ = [
     "pread_scatter",
     "byte_view",
     "retrieve",
-    "watch_clock",
 ]
 
 T = TypeVar("T")
@@ -365,14 +364,6 @@ class IoPool:
         joiner.join()
 
 
-def watch_clock() -> float:
-    """The clock that times reads in flight against ``read_timeout``: ``perf_counter``.
-    Tests replace it, so that whether a read took too long is their decision, not the
-    machine's (``test_timeout_names_the_stalled_read_while_others_finished``). Pacing keeps
-    real time."""
-    return time.perf_counter()
-
-
 class ReadFeed:
     """The reads of one load, for I/O threads that take the next one themselves.
 
@@ -383,6 +374,11 @@ class ReadFeed:
     without waiting for an answer (``test_feed_hands_each_read_out_once_across_threads``).
     The loop keeps the watch: :meth:`oldest` tells how long the longest read has been in
     flight, and :meth:`stop` makes every thread stop after its current read.
+
+    ``clock`` times reads in flight against ``read_timeout`` (seconds, never going back; by
+    default ``perf_counter``). A test passes one of its own, so that whether a read took
+    too long is its decision, not the machine's
+    (``test_timeout_names_the_stalled_read_while_others_finished``). Pacing keeps real time.
     """
 
     def __init__(
@@ -392,8 +388,10 @@ class ReadFeed:
         *,
         max_bytes_per_s: float | None = None,
         started: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._sizes = sizes
+        self._clock = clock
         self._cursor = iter(range(len(sizes)))
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -424,16 +422,15 @@ class ReadFeed:
         delay = due - time.perf_counter()
         if delay > 0 and self._stop.wait(delay):
             return None
-        self._since[worker] = (watch_clock(), index)
+        self._since[worker] = (self._clock(), index)
         return index
 
     def finished(self, worker: int) -> None:
         self._since[worker] = None
 
-    @staticmethod
-    def now() -> float:
+    def now(self) -> float:
         """The time on the clock that :meth:`oldest` is stamped with."""
-        return watch_clock()
+        return self._clock()
 
     def oldest(self) -> tuple[float, int] | None:
         """``(now() when it started, index)`` of the read longest in flight."""

@@ -13,6 +13,7 @@ without waiting for the cyclic collector
 from __future__ import annotations
 
 import asyncio
+import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping
 
@@ -82,6 +83,10 @@ class SlabSet:
     ``tensors=`` makes it load into tensors it did not allocate (an engine's parameters): one
     per slab of the plan, of its dtype and shape, contiguous, none sharing a byte with
     another. They are written in place and never freed here.
+
+    ``clock=`` is what each read in flight is timed on against ``read_timeout`` (seconds,
+    never going back; default ``time.perf_counter``): a test passes a clock it moves itself,
+    so that whether a read is late is its decision, not a busy machine's.
     """
 
     # Per route of the plan being loaded: the byte tensor its slab lies in (see _adopt).
@@ -93,7 +98,9 @@ class SlabSet:
         device: str | torch.device | None = None,
         *,
         tensors: Mapping[str, torch.Tensor] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        self._clock = clock
         if device is None:
             device = _device_of(tensors) if tensors else "cpu"
         self.device = torch.device(device)
@@ -490,6 +497,7 @@ class SlabSet:
             transfer="shared" if strategy is None else strategy.name,
             read_plans=self._read_plans,
             health=self._health,
+            clock=self._clock,
         )
         return self._load
 

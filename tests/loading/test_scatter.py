@@ -289,7 +289,6 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
     # The watch's clock stands still until the victim stalls, so no read but the victim is
     # ever late, however slow this machine is.
     now = [0.0]
-    monkeypatch.setattr(read_module, "watch_clock", lambda: now[0])
 
     def stall_one(fd: int, target: read_module.Scatter, offset: int, *, path: str) -> int:
         if offset == victim.offset and path == str(p.files[victim.file].path):
@@ -308,7 +307,7 @@ async def test_timeout_names_the_stalled_read_while_others_finished(
         return n
 
     monkeypatch.setattr(_copy, "pread_scatter", stall_one)
-    slabs = SlabSet(p)
+    slabs = SlabSet(p, clock=lambda: now[0])
     try:
         with pytest.raises(asyncslab.errors.ReadTimeoutError, match="read_timeout=1.0") as info:
             await slabs.load(ckpt, options=options)
@@ -340,7 +339,6 @@ async def test_slow_but_steady_reads_do_not_time_out(
             watched.set()
         return now[0]
 
-    monkeypatch.setattr(read_module, "watch_clock", clock)
     real: Callable[..., int] = _copy.pread_scatter
 
     def steady(fd: int, target: read_module.Scatter, offset: int, *, path: str) -> int:
@@ -351,7 +349,7 @@ async def test_slow_but_steady_reads_do_not_time_out(
 
     monkeypatch.setattr(_copy, "pread_scatter", steady)
     options = LoadOptions(read_size=16 << 10, read_timeout=limit, io_workers=1)
-    slabs = await asyncslab.load(ckpt, p, options=options)
+    slabs = await asyncslab.load(ckpt, p, options=options, into=SlabSet(p, clock=clock))
     stats = slabs.statistics()
     assert stats.state == "complete"
     assert watched.is_set()
