@@ -64,9 +64,11 @@ def data_file(tmp_path: Path) -> tuple[Path, bytes]:
     return path, data
 
 
-def read_into(path: Path, sizes: Sequence[int], offset: int, scratch_every: int = 0) -> bytes:
+def read_into(
+    path: Path, sizes: Sequence[int], offset: int, scratch_every: int = 0, limit: int | None = None
+) -> bytes:
     buffer = torch.zeros(16 + sum(sizes) + 8, dtype=torch.uint8)
-    target = scatter(regions_in(buffer, sizes, scratch_every))
+    target = scatter(regions_in(buffer, sizes, scratch_every), limit=limit)
     fd = os.open(path, os.O_RDONLY)
     try:
         n = pread_scatter(fd, target, offset, path=str(path))
@@ -95,12 +97,11 @@ def test_scatter_read_lands_every_region(
     assert got == expected_after(data, 100, sizes, 2)
 
 
-def test_calls_respect_syscall_size_and_iov_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(read_module, "SYSCALL_BYTES", 1000)
+def test_calls_respect_syscall_size_and_iov_limit() -> None:
     buffer = torch.zeros(20_000, dtype=torch.uint8)
     # 2,500 one-byte regions, then one region crossing several syscall boundaries.
     regions = [(buffer.data_ptr() + i, 1) for i in range(2500)] + [(buffer.data_ptr(), 4321)]
-    target = scatter(regions)
+    target = scatter(regions, limit=1000)
     assert target.nbytes == 2500 + 4321
     assert sum(n for _, _, n in target.calls) == target.nbytes
     assert all(0 < n <= 1000 for _, _, n in target.calls)
@@ -113,6 +114,12 @@ def test_calls_respect_syscall_size_and_iov_limit(monkeypatch: pytest.MonkeyPatc
         assert sum(lengths) == nbytes
         first += entries
     assert 2 * first == len(target.iov)
+    # Without a limit, SYSCALL_BYTES is the limit.
+    wide = torch.zeros(read_module.SYSCALL_BYTES + 1, dtype=torch.uint8)
+    assert [n for _, _, n in scatter([(wide.data_ptr(), wide.numel())]).calls] == [
+        read_module.SYSCALL_BYTES,
+        1,
+    ]
 
 
 def test_a_read_of_nothing_needs_no_syscall() -> None:
@@ -141,7 +148,7 @@ def test_property_short_reads_resume_exactly(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Whatever short counts the syscall returns, every region ends up with its bytes, and
-    no call asks for more than ``SYSCALL_BYTES`` or ``IOV_MAX`` entries."""
+    no call asks for more than its byte limit or ``IOV_MAX`` entries."""
     path = tmp_path_factory.getbasetemp() / "scatter.bin"
     data = random.Random(len(sizes)).randbytes(offset + 4 * sum(sizes) + 4000)
     path.write_bytes(data)
@@ -165,13 +172,12 @@ def test_property_short_reads_resume_exactly(
         trimmed = (ctypes.c_size_t * len(kept))(*kept)
         return real(fd, ctypes.addressof(trimmed), len(kept) // 2, at)
 
-    saved = read_module._preadv_raw, read_module.SYSCALL_BYTES
+    saved = read_module._preadv_raw
     read_module._preadv_raw = partial
-    read_module.SYSCALL_BYTES = syscall_bytes
     try:
-        got = read_into(path, sizes, offset, scratch_every)
+        got = read_into(path, sizes, offset, scratch_every, limit=syscall_bytes)
     finally:
-        read_module._preadv_raw, read_module.SYSCALL_BYTES = saved
+        read_module._preadv_raw = saved
     assert got == expected_after(data, offset, sizes, scratch_every)
 
 
