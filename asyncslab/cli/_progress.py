@@ -13,23 +13,15 @@ snapshots (the loader calls ``progress(stats)`` at most once per
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TextIO
 
-from .._units import format_bytes, format_duration, parse_size
+from .._units import format_bytes, format_duration
 
-__all__ = [
-    "ProgressBar",
-    "format_bytes",
-    "format_duration",
-    "format_table",
-    "parse_size",
-    "size_arg",
-]
+__all__ = ["ProgressBar", "format_table"]
 
 
 def _is_number(value: Any) -> bool:
@@ -209,12 +201,3 @@ class ProgressBar:
             self._stream.flush()
         except (OSError, ValueError):
             self._broken = True
-
-
-def size_arg(text: str) -> int:
-    """:func:`parse_size` as an argparse ``type``: every ``--size`` (``bench``'s too) uses
-    this one, so that their messages cannot drift apart."""
-    try:
-        return parse_size(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None

@@ -28,9 +28,12 @@ import pytest
 import torch
 
 import asyncslab
+from asyncslab._units import format_bytes, format_duration, parse_size
+from asyncslab.cli import _common as _cli_common
+from asyncslab.cli import _load as _cli_load
 from asyncslab.cli import _main as _cli
-from asyncslab.cli._main import main, parse_size
-from asyncslab.cli._progress import ProgressBar, format_bytes, format_duration, format_table
+from asyncslab.cli._main import main
+from asyncslab.cli._progress import ProgressBar, format_table
 from asyncslab.rules import Route
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, _verify, write_synthetic
 
@@ -438,7 +441,7 @@ def test_keyboard_interrupt_exits_130(
     def interrupted(args: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_cli, "_cmd_inspect", interrupted)
+    monkeypatch.setattr(_cli, "cmd_inspect", interrupted)
     assert main(["inspect", "anything"]) == 130
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["asyncslab: interrupted"]
@@ -456,9 +459,9 @@ def test_run_async_without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
     async def answer() -> int:
         return 42
 
-    assert _cli.run_async(answer()) == 42
+    assert _cli_common.run_async(answer()) == 42
     monkeypatch.setitem(sys.modules, "uvloop", None)
-    assert _cli.run_async(answer()) == 42
+    assert _cli_common.run_async(answer()) == 42
 
 
 # --------------------------------------------------------------------------- progress, tables
@@ -610,14 +613,14 @@ def test_verify_runs_off_the_event_loop_and_stops_when_asked(
     ckpt = asyncslab.Checkpoint.open(checkpoint.root)
     plan = asyncslab.plan(ckpt)
     threads: list[str] = []
-    real = _cli.verify_slabs
+    real = _cli_load.verify_slabs
 
     def recording(*args: object) -> object:
         threads.append(threading.current_thread().name)
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_cli, "verify_slabs", recording)
-    result = _cli._run_load(
+    monkeypatch.setattr(_cli_load, "verify_slabs", recording)
+    result = _cli_load.run_load(
         ckpt, plan, device="cpu", options=asyncslab.LoadOptions(), show_progress=False, verify=True
     ).verify
     assert result is not None
@@ -633,7 +636,7 @@ def test_verify_runs_off_the_event_loop_and_stops_when_asked(
             real(plan, slabs, stop)
         await slabs.aclose()
 
-    _cli.run_async(stopped())
+    _cli_common.run_async(stopped())
 
 
 @pytest.mark.parametrize(
@@ -711,7 +714,7 @@ def test_load_writes_json_and_its_verdict_before_the_table(
     def gone(*args: object, **kwargs: object) -> None:
         raise BrokenPipeError
 
-    monkeypatch.setattr(_cli, "_out", gone)
+    monkeypatch.setattr(_cli_load, "out", gone)
     report = tmp_path / "stats.json"
     args = ["load", str(checkpoint.root), "--no-progress", "--verify", "--json", str(report)]
     assert main(args) == 141

@@ -21,7 +21,8 @@ import pytest
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, LoadStatistics, SlabSet, plan
-from asyncslab.cli._progress import ProgressBar, format_duration
+from asyncslab._units import format_duration
+from asyncslab.cli._progress import ProgressBar
 from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._progress import size_arg
+from .._args import size_arg
 from .worker import PEERS, RESULT_MARK, lag_summary
 
 __all__ = [
