@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import shlex
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from ..testing._synthetic import (
 from ._common import PROG, UsageError, bytes_exact, out, stderr_line
 from ._inspect import checkpoint_info, files_table, open_and_plan, plan_rows, tier_table
 from ._load import result_rows, run_load
-from ._progress import format_table
+from ._tables import format_table
 
 __all__ = ["cmd_demo"]
 
@@ -79,14 +80,14 @@ def _plan_and_show(root: Path, written: SyntheticCheckpoint) -> tuple[Checkpoint
     """The written checkpoint planned from its headers; its files, plan and tiers shown."""
     checkpoint, p = open_and_plan(root, tier_map=written.tier_map_path, rank=None)
     info = checkpoint_info(root, checkpoint)
-    out(files_table(info))
+    out(files_table(info, terminal=sys.stdout))
     out()
     out(
         "plan (headers only; each expert's tier read from its trellis shape and checked "
         f"against {written.tier_map_path.name}):"
     )
-    out(format_table(plan_rows(p, checkpoint), align="ll", indent="  "))
-    table = tier_table(p)
+    out(format_table(plan_rows(p, checkpoint), align="ll", indent="  ", terminal=sys.stdout))
+    table = tier_table(p, terminal=sys.stdout)
     if table is not None:
         out()
         out("experts per tier, per layer (one slab per tier, projection and suffix):")
@@ -140,7 +141,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         out("result:")
         # The verdict is the last line below, not a row here too.
         rows = result_rows(loaded, p, verify_row=False)
-        out(format_table(rows, align="ll", indent="  "))
+        out(format_table(rows, align="ll", indent="  ", terminal=sys.stdout))
         out()
         if kept:
             # With the tier map, or the suggested load would check less than the demo did.

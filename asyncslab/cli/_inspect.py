@@ -8,17 +8,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .._units import format_bytes
 from ..checkpoint import INDEX_SUFFIX, Checkpoint, ObjectPath
 from ..errors import PlanError
 from ..planning import Plan, plan
 from ._common import UsageError, bytes_exact, jsonable, out
-from ._progress import format_table
+from ._tables import format_table
 
 __all__ = [
     "checkpoint_info",
@@ -60,8 +61,9 @@ def _natural(name: str) -> tuple[Any, ...]:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
 
 
-def tier_table(p: Plan, indent: str = "  ") -> str | None:
-    """``layer | K3 | K4 | ... | experts | expert bytes``; ``None`` when nothing is tiered."""
+def tier_table(p: Plan, indent: str = "  ", terminal: TextIO | None = None) -> str | None:
+    """``layer | K3 | K4 | ... | experts | expert bytes``; ``None`` when nothing is tiered.
+    ``terminal``: the stream it is printed on (:func:`format_table`)."""
     tiers: Mapping[int, Mapping[str, int]] = p.extras.get("tiers") or {}
     if not tiers:
         return None
@@ -78,7 +80,7 @@ def tier_table(p: Plan, indent: str = "  ") -> str | None:
         rows.append([layer, *cells, sum(cells), format_bytes(expert_bytes[str(layer)])])
     rows.append(["all", *totals, sum(totals), format_bytes(sum(expert_bytes.values()))])
     headers = ["layer", *groups, "experts", "expert bytes"]
-    return format_table(rows, headers, align="r" * len(headers), indent=indent)
+    return format_table(rows, headers, align="r" * len(headers), indent=indent, terminal=terminal)
 
 
 def checkpoint_info(path: Path, checkpoint: Checkpoint) -> dict[str, Any]:
@@ -122,10 +124,11 @@ def plan_rows(p: Plan, checkpoint: Checkpoint) -> list[list[Any]]:
     ]
 
 
-def files_table(info: Mapping[str, Any], indent: str = "  ") -> str:
+def files_table(info: Mapping[str, Any], indent: str = "  ", terminal: TextIO | None = None) -> str:
     files = sorted(info["files"], key=lambda f: _natural(f["name"]))
     rows = [[f["name"], f["tensors"], format_bytes(f["bytes"])] for f in files]
-    return format_table(rows, ["file", "tensors", "bytes"], align="lrr", indent=indent)
+    headers = ["file", "tensors", "bytes"]
+    return format_table(rows, headers, align="lrr", indent=indent, terminal=terminal)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -139,11 +142,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     index = f" (index {info['index']})" if info["index"] else ""
     payload = format_bytes(info["payload_bytes"])
     out(f"checkpoint {path}{index}: {len(info['files'])} files, {payload} payload")
-    out(files_table(info))
+    out(files_table(info, terminal=sys.stdout))
     out()
     out("plan (default rules; headers only, no payload read):")
-    out(format_table(plan_rows(p, checkpoint), align="ll", indent="  "))
-    table = tier_table(p)
+    out(format_table(plan_rows(p, checkpoint), align="ll", indent="  ", terminal=sys.stdout))
+    table = tier_table(p, terminal=sys.stdout)
     out()
     if table is None:
         out("tiers per layer: none (no tiered MoE expert tensors)")

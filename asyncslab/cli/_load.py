@@ -33,7 +33,8 @@ from ._common import (
     stderr_line,
 )
 from ._inspect import open_and_plan
-from ._progress import ProgressBar, format_table
+from ._progress import ProgressBar
+from ._tables import format_table
 
 __all__ = ["Loaded", "VerifyError", "cmd_load", "result_rows", "run_load", "verify_slabs"]
 
@@ -209,7 +210,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         if not to_stdout:
             out(f"loaded {path}:")
             rows = result_rows(loaded, p)
-            out(format_table(rows, align="ll", indent="  "))
+            out(format_table(rows, align="ll", indent="  ", terminal=sys.stdout))
     except BrokenPipeError:
         if verify is not None and not verify.ok:
             return 1  # the verdict outranks the reader that left
@@ -267,7 +268,7 @@ def _cmd_load_transformers(args: argparse.Namespace) -> int:
             ["peak RSS", format_bytes(rss) if rss is not None else "unknown"],
         ]  # fmt: skip
         out(f"loaded {args.path} as {type(model).__name__}:")
-        out(format_table(rows, align="ll", indent="  "))
+        out(format_table(rows, align="ll", indent="  ", terminal=sys.stdout))
     return 0
 
 

@@ -33,7 +33,8 @@ from asyncslab.cli import _common as _cli_common
 from asyncslab.cli import _load as _cli_load
 from asyncslab.cli import _main as _cli
 from asyncslab.cli._main import main
-from asyncslab.cli._progress import ProgressBar, format_table
+from asyncslab.cli._progress import ProgressBar
+from asyncslab.cli._tables import format_table
 from asyncslab.rules import Route
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, _verify, write_synthetic
 
@@ -519,23 +520,66 @@ def test_progress_log_mode_finish_prints_pending_snapshot() -> None:
     assert "ETA 1.50s" in stream.getvalue()
 
 
-def test_progress_tty_mode_redraws_one_line() -> None:
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def test_progress_tty_mode_is_rich_s_bar_redrawn_in_one_line() -> None:
+    # With rich installed (the cli extra; the test extra brings it): rich's bar.
     stream = io.StringIO()
     bar = ProgressBar(stream, tty=True, width=120, clock=FakeClock())
     bar(FakeStats(bytes_landed=1 << 28, units_complete=2, eta_s=90.0, gbps=1.0))
     bar(FakeStats(bytes_landed=1 << 29, units_complete=5, eta_s=1.0, gbps=1.0))
     bar(FakeStats(state="complete", bytes_landed=1 << 30, units_complete=10, elapsed_s=2.0))
     bar.finish()
-    text = stream.getvalue()
-    assert text.count("\r") == 3
+    text = ANSI.sub("", stream.getvalue())
     assert text.count("\n") == 1
     assert text.endswith("\n")
-    frames = text.rstrip("\n").split("\r")[1:]
-    assert "[######------------------]" in frames[0]
+    frames = text.rstrip("\n").split("\r")
+    assert len(frames) >= 3  # one per snapshot, each redrawn over the last (rich's last twice)
+    assert frames[0].startswith("loading")
+    assert "25.0%" in frames[0]
     assert "ETA 1m30s" in frames[0]
-    assert "#" * 24 in frames[2]
-    assert "units 10/10" in frames[2]
-    assert "in 2.00s" in frames[2]
+    assert "━" in frames[0]  # rich's bar
+    assert "ETA 1.00s" in frames[1]
+    assert frames[-1].startswith("complete")
+    assert "100.0%" in frames[-1]
+    assert "units 10/10" in frames[-1]
+    assert "in 2.00s" in frames[-1]
+
+
+def test_progress_tty_mode_plain_draws_the_bar_in_each_line() -> None:
+    # Without rich (or asked for plain lines) a terminal gets the log's lines, each with a
+    # bar of '#': at most one line per interval, never redrawn.
+    stream, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(stream, tty=True, plain=True, clock=clock)
+    assert bar.tty
+    clock.now += 1.0
+    bar(FakeStats(bytes_landed=1 << 28, units_complete=2, eta_s=90.0, gbps=1.0))
+    clock.now += 0.5
+    bar(FakeStats(bytes_landed=1 << 29, units_complete=5, eta_s=1.0, gbps=1.0))  # held back
+    bar(FakeStats(state="complete", bytes_landed=1 << 30, units_complete=10, elapsed_s=2.0))
+    bar.finish()
+    text = stream.getvalue()
+    assert "\r" not in text
+    assert "\x1b" not in text
+    lines = text.splitlines()
+    assert len(lines) == 2
+    assert "[######------------------]" in lines[0]
+    assert "ETA 1m30s" in lines[0]
+    assert "[" + "#" * 24 + "]" in lines[1]
+    assert "units 10/10" in lines[1]
+    assert "in 2.00s" in lines[1]
+
+
+def test_progress_log_mode_draws_no_bar() -> None:
+    stream, clock = io.StringIO(), FakeClock()
+    bar = ProgressBar(stream, tty=False, clock=clock)
+    bar(FakeStats(state="complete", bytes_landed=1 << 30, units_complete=10, elapsed_s=2.0))
+    bar.finish()
+    (line,) = stream.getvalue().splitlines()
+    assert "#" not in line
+    assert "━" not in line
+    assert line.startswith("complete")
 
 
 def test_progress_survives_a_closed_stream() -> None:
@@ -544,6 +588,32 @@ def test_progress_survives_a_closed_stream() -> None:
     stream.close()
     bar(FakeStats(bytes_landed=1))
     bar.finish()
+
+
+class Tty(io.StringIO):
+    """What a terminal receives."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tables_on_a_terminal_are_rich_s_and_plain_elsewhere() -> None:
+    rows = [["a", 1, 2.5], ["bbb [x]", 100, 0.25]]
+    plain = format_table(rows, ["name", "n", "x"], indent="  ")
+    assert format_table(rows, ["name", "n", "x"], indent="  ", terminal=io.StringIO()) == plain
+    fancy = format_table(rows, ["name", "n", "x"], indent="  ", terminal=Tty())
+    assert fancy != plain
+    lines = [line.rstrip() for line in ANSI.sub("", fancy).splitlines()]
+    assert lines[0].split() == ["name", "n", "x"]
+    assert set(lines[1].strip()) == {"─"}  # rich's rule under the headers
+    assert lines[2].split() == ["a", "1", "2.5"]
+    assert lines[3].split() == ["bbb", "[x]", "100", "0.25"]  # a "[" is text, not markup
+    assert all(line.startswith("  ") for line in lines)
+    names = format_table([["device", "cpu"], ["GB/s", "1.50"]], align="ll", terminal=Tty())
+    assert [line.split() for line in ANSI.sub("", names).splitlines()] == [
+        ["device", "cpu"],
+        ["GB/s", "1.50"],
+    ]
 
 
 def test_format_helpers() -> None:

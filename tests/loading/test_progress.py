@@ -10,6 +10,7 @@ import gc
 import io
 import itertools
 import math
+import re
 import threading
 import time
 import warnings
@@ -336,9 +337,13 @@ class BrokenStream(io.StringIO):
         raise BrokenPipeError(32, "Broken pipe")
 
 
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
 def frames(text: str) -> list[str]:
-    """The lines a terminal bar drew, each as written after its ``\r``."""
-    return text.split("\r")[1:]
+    """The lines rich's terminal bar drew, in order, without their escape codes (each
+    redraw goes back to the line's start with ``\r``)."""
+    return [f for f in ANSI.sub("", text).rstrip("\n").split("\r") if f]
 
 
 def test_a_partial_load_fully_landed_shows_100_percent() -> None:
@@ -353,50 +358,60 @@ def test_a_partial_load_fully_landed_shows_100_percent() -> None:
     assert "50.0%" not in line
 
 
-def test_the_bar_never_overflows_past_100_percent() -> None:
+@pytest.mark.parametrize("plain", [False, True], ids=["rich", "plain"])
+def test_the_bar_never_overflows_past_100_percent(plain: bool) -> None:
     """More landed than expected (a figure from a retried read, a rounding): the bar is
     full, not longer than its frame and not over 100 %."""
     stream = io.StringIO()
-    bar = ProgressBar(stream, tty=True, width=200, clock=Clock())
+    bar = ProgressBar(stream, tty=True, plain=plain, width=200, clock=Clock())
     bar(stats(150, 100, 1.0))
-    (frame,) = frames(stream.getvalue())
+    bar.finish()
+    if plain:
+        (frame,) = stream.getvalue().splitlines()
+        assert "[" + "#" * 24 + "]" in frame
+        assert frame.count("#") == 24
+    else:
+        frame = frames(stream.getvalue())[-1]
+        assert frame.count("━") == 24  # rich's bar, its 24 cells and no more
     assert "100.0%" in frame
-    assert "[" + "#" * 24 + "]" in frame
-    assert frame.count("#") == 24
+    assert "150.0%" not in frame
 
 
 def test_a_shorter_redraw_blanks_the_rest_of_the_longer_line() -> None:
     """On a terminal each frame overwrites the last one in place: a shorter frame not padded
-    left the tail of the longer one on screen, after the new text."""
+    left the tail of the longer one on screen, after the new text. rich erases the line
+    (``ESC [2K``) before each redraw."""
     stream = Tty()
     bar = ProgressBar(stream, width=200, clock=Clock())
     assert bar.tty
     bar(replace(stats(10, 100, 2.0), units=100, units_complete=99))
-    long = frames(stream.getvalue())[0]
+    (long,) = frames(stream.getvalue())
     bar(replace(stats(20, 100, 0.5), units=100, units_complete=1))  # no ETA yet: "--"
     first, second = frames(stream.getvalue())
     assert first == long
-    short = second.rstrip(" ")
-    assert len(short) < len(long)
-    assert second == short + " " * (len(long) - len(short))
-    assert "ETA --" in short
+    assert stream.getvalue().split("\r")[1].startswith("\x1b[2K")
+    assert len(second.rstrip(" ")) < len(long.rstrip(" "))
+    assert "ETA --" in second
 
 
-def test_finishing_a_terminal_bar_that_drew_nothing_writes_nothing() -> None:
+@pytest.mark.parametrize("plain", [False, True], ids=["rich", "plain"])
+def test_finishing_a_terminal_bar_that_drew_nothing_writes_nothing(plain: bool) -> None:
     """A load that reported nothing (it failed at once): finish() must not leave an empty
-    line in the user's terminal."""
+    line in the user's terminal (nor hide its cursor)."""
     stream = Tty()
-    ProgressBar(stream, width=200, clock=Clock()).finish()
+    ProgressBar(stream, plain=plain, width=200, clock=Clock()).finish()
     assert stream.getvalue() == ""
 
 
-@pytest.mark.parametrize("tty", [True, False], ids=["tty", "log"])
-def test_nothing_is_written_after_finish(tty: bool) -> None:
+@pytest.mark.parametrize(
+    ("tty", "plain"), [(True, False), (True, True), (False, False)], ids=["tty", "plain", "log"]
+)
+def test_nothing_is_written_after_finish(tty: bool, plain: bool) -> None:
     """A late snapshot (the loader's last call racing the CLI's finish()) drew a bar after
     the line was ended, in the middle of whatever the CLI printed next."""
     stream = io.StringIO()
     clock = Clock()
-    bar = ProgressBar(stream, tty=tty, width=200, clock=clock)
+    bar = ProgressBar(stream, tty=tty, plain=plain, width=200, clock=clock)
     bar(stats(10, 100, 0.5))
     bar.finish()
     written = stream.getvalue()
@@ -407,14 +422,16 @@ def test_nothing_is_written_after_finish(tty: bool) -> None:
     assert stream.getvalue() == written
 
 
-@pytest.mark.parametrize("tty", [True, False], ids=["tty", "log"])
-def test_a_failing_stream_is_written_once_then_left_alone(tty: bool) -> None:
+@pytest.mark.parametrize(
+    ("tty", "plain"), [(True, False), (True, True), (False, False)], ids=["tty", "plain", "log"]
+)
+def test_a_failing_stream_is_written_once_then_left_alone(tty: bool, plain: bool) -> None:
     """A closed pipe (``asyncslab load | head``): the first failed write disables the bar;
     retrying on every snapshot raised and swallowed an error ten times a second, and no
-    error reaches the load."""
+    error reaches the load (nor rich's handler of a broken pipe, which exits)."""
     stream = BrokenStream()
     clock = Clock()
-    bar = ProgressBar(stream, tty=tty, width=200, clock=clock)
+    bar = ProgressBar(stream, tty=tty, plain=plain, width=200, clock=clock)
     for i in range(1, 6):
         clock.now += 2.0
         bar(stats(i * 10, 100, float(i)))
