@@ -63,7 +63,7 @@ from typing import Any
 
 from asyncslab._os import loop_name, run
 from asyncslab._units import parse_size
-from asyncslab.cli._bench.runner import read_all
+from asyncslab.cli._bench.cache import read_all
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -144,7 +144,8 @@ def _log(text: str) -> None:
 def generate(root: Path, size: int, workers: int) -> tuple[Path, dict[str, Any]]:
     """The bench's own generator (reused when already there), after the bench's own
     disk-space check."""
-    from asyncslab.cli._bench.runner import _check_space, _generate
+    from asyncslab.cli._bench.fixtures import check_space as _check_space
+    from asyncslab.cli._bench.fixtures import generate as _generate
 
     problem = _check_space(root, int(size * 1.05))
     if problem:

@@ -126,7 +126,7 @@ def write_models(
             write_model(target, "mixtral", shards=4, **(QUICK_MIXTRAL if quick else BENCH_MODEL))
         out["mixtral"] = target
     if "exl3" in models:
-        from asyncslab.cli._bench.runner import _generate
+        from asyncslab.cli._bench.fixtures import generate as _generate
 
         size = 24 * MiB if quick else exl3_size
         print(f"EXL3-like checkpoint of {size / 2**30:.2f} GiB ...", flush=True)

@@ -439,7 +439,7 @@ def main() -> None:
         if any("DIFFER" in line for line in lines):
             raise SystemExit(1)
         return
-    from asyncslab.cli._bench.runner import _drop_cache
+    from asyncslab.cli._bench.cache import drop_cache as _drop_cache
 
     names = args.models.split(",")
     modes = args.modes.split(",")

@@ -294,7 +294,8 @@ def _warm(model: Path) -> None:
 def _evict(model: Path, drop_caches: bool) -> float:
     """Take the model's files out of the page cache; return the share still resident
     (``mincore``; the package's own bench helpers, which fsync and fadvise each file)."""
-    from asyncslab.cli._bench.runner import _cached_share, _drop_cache
+    from asyncslab.cli._bench.cache import cached_share as _cached_share
+    from asyncslab.cli._bench.cache import drop_cache as _drop_cache
 
     if drop_caches:
         os.sync()

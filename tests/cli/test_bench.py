@@ -22,8 +22,13 @@ from safetensors import safe_open
 
 import asyncslab
 import asyncslab.testing
+from asyncslab.cli._bench import cache as bench_cache
+from asyncslab.cli._bench import results as bench_results
 from asyncslab.cli._bench import runner as _bench
-from asyncslab.cli._bench.runner import CONTENDERS, write_many_small
+from asyncslab.cli._bench import runs as bench_runs
+from asyncslab.cli._bench.contenders import CONTENDERS, VERIFY_ALL
+from asyncslab.cli._bench.fixtures import write_many_small
+from asyncslab.cli._bench.worker import PEERS
 from asyncslab.loading._schedule import windows
 from asyncslab.testing import SyntheticCheckpoint
 
@@ -101,7 +106,7 @@ def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> Non
     report = smoke["json"]
     records = report["records"]
     measured = {r["contender"]: r for r in records if "seconds" in r}
-    expected = {c for c in CONTENDERS if c not in _bench.PEERS}
+    expected = {c for c in CONTENDERS if c not in PEERS}
     assert expected <= set(measured), sorted(expected - set(measured))
     for rec in measured.values():
         assert rec["seconds"] > 0
@@ -115,9 +120,9 @@ def test_json_has_per_run_records_with_equal_bytes(smoke: dict[str, Any]) -> Non
     assert measured["asyncslab"]["lag_ms"]["n"] >= 0
     if sys.platform.startswith("linux"):  # /proc/stat's steal, over the timed loads
         assert measured["asyncslab"]["steal_ms"] >= 0
-    for peer in _bench.PEERS:
+    for peer in PEERS:
         peer_recs = [r for r in records if r["contender"] == peer]
-        if importlib.util.find_spec(_bench.PEERS[peer]) is None:
+        if importlib.util.find_spec(PEERS[peer]) is None:
             assert peer_recs == []
             assert peer in smoke["table"]
         else:  # the adapter drove the real library and every sampled slot holds its bytes
@@ -152,7 +157,7 @@ def test_refuses_sizes_that_do_not_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(_bench.shutil, "disk_usage", lambda _p: usage._replace(free=100 << 20))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage._replace(free=100 << 20))
     args = bench_args("--size", "3GiB", "--dir", str(tmp_path))
     assert _bench.run(args) == 2
     assert "not enough disk space" in capsys.readouterr().err
@@ -210,7 +215,7 @@ def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     for plan in ("dense", "stack"):
         got = {r["contender"] for r in records if r["plan"] == plan and r.get("seconds", 0) > 0}
         assert {"asyncslab", "old-path", "direct-copy"} <= got
-        installed = {c for c, m in _bench.PEERS.items() if importlib.util.find_spec(m)}
+        installed = {c for c, m in PEERS.items() if importlib.util.find_spec(m)}
         assert installed <= got  # peers too, where installed
         assert {r["tensors"] for r in records if r["plan"] == plan} == {2000}
         assert all(r["verified"] > 0 for r in records if r["plan"] == plan), plan
@@ -414,14 +419,14 @@ def test_parallel_generation_is_byte_identical(tmp_path: Path) -> None:
 
 
 def test_run_order_pairs_asyncslab_with_the_bound_and_alternates() -> None:
-    active = [c for c in CONTENDERS if c not in _bench.PEERS]
-    first, second = _bench._run_order(active, 0), _bench._run_order(active, 1)
+    active = [c for c in CONTENDERS if c not in PEERS]
+    first, second = bench_runs.run_order(active, 0), bench_runs.run_order(active, 1)
     assert sorted(first) == sorted(active)
     assert second == first[::-1]
     at = first.index("asyncslab")
     assert first[at + 1] == "bound-N"
-    assert _bench._run_order(["bound-1", "bound-N"], 0) == ["bound-1", "bound-N"]
-    assert _bench._run_order(["asyncslab"], 1) == ["asyncslab"]
+    assert bench_runs.run_order(["bound-1", "bound-N"], 0) == ["bound-1", "bound-N"]
+    assert bench_runs.run_order(["asyncslab"], 1) == ["asyncslab"]
 
 
 def test_pretouched_processes_time_several_passes(tmp_path: Path) -> None:
@@ -445,14 +450,14 @@ def test_pretouched_processes_time_several_passes(tmp_path: Path) -> None:
 
 
 def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() -> None:
-    peers = list(_bench.PEERS)
+    peers = list(PEERS)
     runs = [
         {"asyncslab": {"seconds": 1.0}, peers[0]: {"seconds": 3.0}, peers[1]: {"seconds": 2.0}},
         # A peer that failed in a run leaves the others to compete.
         {"asyncslab": {"seconds": 2.0}, peers[0]: {"error": "x"}, peers[1]: {"seconds": 8.0}},
         {"asyncslab": {"seconds": 1.0}, peers[0]: {"seconds": 0.5}},
     ]
-    figures = _bench._figures({"warm-fresh": {}}, {"warm-fresh": runs}, [], 1)
+    figures = bench_results.figures_of({"warm-fresh": {}}, {"warm-fresh": runs}, [], 1)
     (best,) = [f for f in figures if f["label"].startswith("warm fresh: best peer")]
     assert best["figure"] == "fresh_best_peer_x_asyncslab"
     assert best["measured"] == 2.0  # median of 2/1, 8/2, 0.5/1
@@ -461,7 +466,9 @@ def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() ->
     ]
     assert verdict["ok"] is True
     assert verdict["goal"] == "> 1 (asyncslab faster)"
-    no_peers = _bench._figures({}, {"warm-fresh": [{"asyncslab": {"seconds": 1.0}}]}, [], 1)
+    no_peers = bench_results.figures_of(
+        {}, {"warm-fresh": [{"asyncslab": {"seconds": 1.0}}]}, [], 1
+    )
     assert not [f for f in no_peers if "best peer" in f["label"]]
 
 
@@ -550,17 +557,17 @@ def test_longest_tick_names_its_load_and_the_steal_during_it() -> None:
             r["steal_ms"] = steal
         return r
 
-    lines = _bench._longest_tick([rec("warm-fresh", 1, 9.0, 0.0), rec("cold", 3, 31.8, 40.0)])
+    lines = bench_results.longest_tick([rec("warm-fresh", 1, 9.0, 0.0), rec("cold", 3, 31.8, 40.0)])
     assert lines == [
         "  longest tick 31.80 ms, in asyncslab's cold process of run 3; the hypervisor took 40 ms"
         " of CPU from this VM while it loaded (/proc/stat steal; during all asyncslab loads:"
         " 40 ms)"
     ]
     # Where the kernel reports no steal, only where the tick was.
-    assert _bench._longest_tick([rec("cold", 2, 12.5, None)]) == [
+    assert bench_results.longest_tick([rec("cold", 2, 12.5, None)]) == [
         "  longest tick 12.50 ms, in asyncslab's cold process of run 2"
     ]
-    assert _bench._longest_tick([]) == []
+    assert bench_results.longest_tick([]) == []
 
 
 def test_the_table_says_what_asyncslab_times_leave_out_and_the_lag_by_time(
@@ -609,17 +616,17 @@ def test_a_contender_that_skips_a_read_is_an_error_not_a_time(
 
 def test_a_record_verifying_fewer_tensors_than_asked_loses_its_time() -> None:
     rec = {"seconds": 1.0, "tensors": 10, "verified": 9}
-    bad = _bench._checked("bound-N", rec, _bench.VERIFY_ALL)
+    bad = bench_runs.checked("bound-N", rec, VERIFY_ALL)
     assert "seconds" not in bad
     assert bad["seconds_unverified"] == 1.0
     assert "verified 9 of the 10" in bad["error"]
-    assert _bench._checked("bound-N", rec, 9) is rec  # 9 asked, 9 compared
-    assert _bench._checked("bound-N", {**rec, "verified": 10}, _bench.VERIFY_ALL)["seconds"] == 1.0
-    assert _bench._checked("first-touch-N", {"seconds": 1.0, "verified": 0}, 5)["seconds"] == 1.0
+    assert bench_runs.checked("bound-N", rec, 9) is rec  # 9 asked, 9 compared
+    assert bench_runs.checked("bound-N", {**rec, "verified": 10}, VERIFY_ALL)["seconds"] == 1.0
+    assert bench_runs.checked("first-touch-N", {"seconds": 1.0, "verified": 0}, 5)["seconds"] == 1.0
     assert bench_args("--verify", "0").verify == 0
     # By default every tensor; a sample of 300,000 small ones (all would add ~10 s a run).
-    assert _bench._Runner(bench_args(), Path("."), {}).verify == _bench.VERIFY_ALL
-    assert _bench._Runner(bench_args("--many-small"), Path("."), {}).verify == 2000
+    assert bench_runs.Runner(bench_args(), Path("."), {}).verify == VERIFY_ALL
+    assert bench_runs.Runner(bench_args("--many-small"), Path("."), {}).verify == 2000
     with pytest.raises(SystemExit):
         bench_args("--verify", "-3")
 
@@ -643,7 +650,7 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
     judge = _script("targets").judge
 
     def cold_verdict() -> tuple[dict[str, Any], dict[str, Any]]:
-        figures = _bench._figures(summary, {"cold": runs}, [], 1)
+        figures = bench_results.figures_of(summary, {"cold": runs}, [], 1)
         (figure,) = [f for f in figures if f["figure"] == "cold_x_best_bound"]
         (verdict,) = [t for t in judge({"figures": figures}) if "cold" in t["target"]]
         return figure, verdict
@@ -662,12 +669,12 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
         f = shm / f"asyncslab-test-{os.getpid()}"
         try:
             f.write_bytes(b"x" * (1 << 20))
-            assert _bench._drop_cache([f]) == 1.0  # tmpfs keeps every page
+            assert bench_cache.drop_cache([f]) == 1.0  # tmpfs keeps every page
         finally:
             f.unlink()
     f = tmp_path / "data"
     f.write_bytes(b"y" * (1 << 20))
-    share = _bench._cached_share([f])
+    share = bench_cache.cached_share([f])
     assert share is None or 0.0 <= share <= 1.0
 
 

@@ -265,6 +265,33 @@ def run_direct_copy(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[st
     return rec
 
 
+class Ticker:
+    """A task that sleeps 1 ms at a time and records how late each wake-up came (``lags``,
+    in seconds): the lag a server's requests would meet. It runs for an ``async with``
+    block, and is running before the block starts."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Ticker:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        await asyncio.sleep(0)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def _tick(self) -> None:
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.lags.append(time.perf_counter() - t - 0.001)
+
+
 def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str, Any]:
     """``asyncslab.load`` with default options (or the passed-through ones), with a ticker
     task measuring how late the event loop wakes it (the lag a server would see)."""
@@ -274,12 +301,6 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
     pretouched = task["mode"] == "warm-pretouched"
     lags: list[float] = []
     out: dict[str, Any] = {}
-
-    async def ticker(stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            t = time.perf_counter()
-            await asyncio.sleep(0.001)
-            lags.append(time.perf_counter() - t - 0.001)
 
     async def main() -> None:
         slabs = None
@@ -293,38 +314,30 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
                 slabs.reset()
         # Control: the same ticker with nothing else running, so that lag caused by the
         # machine (other processes on the cores) is not blamed on the load.
-        stop = asyncio.Event()
-        tick = asyncio.get_running_loop().create_task(ticker(stop))
-        await asyncio.sleep(IDLE_LAG_S)
-        stop.set()
-        await tick
-        idle = lags[:]
-        lags.clear()
-        stop = asyncio.Event()
-        tick = asyncio.get_running_loop().create_task(ticker(stop))
-        await asyncio.sleep(0)  # the ticker is running before the clock starts
-        timed = Timed()
-        timed.start()
-        stolen = steal_ms()
-        if slabs is None:
-            slabs = await asyncslab.load(checkpoint, plan, options=options)
-        else:
-            # Pre-touched: reset keeps the memory, so each pass reloads into the same slabs.
-            for i in range(pretouched_passes(task)):
-                if i:
-                    slabs.reset()
-                t0 = time.perf_counter()
-                await slabs.load(checkpoint, options=options)
-                timed.pass_seconds.append(time.perf_counter() - t0)
-        timed.stop()
-        if stolen is not None and (now := steal_ms()) is not None:
-            # A long tick in a load the hypervisor took time from is not the loader's alone.
-            out["steal_ms"] = now - stolen
-        stop.set()
-        await tick
+        async with Ticker() as idle:
+            await asyncio.sleep(IDLE_LAG_S)
+        async with Ticker() as ticker:
+            timed = Timed()
+            timed.start()
+            stolen = steal_ms()
+            if slabs is None:
+                slabs = await asyncslab.load(checkpoint, plan, options=options)
+            else:
+                # Pre-touched: reset keeps the memory, so each pass reloads into the same slabs.
+                for i in range(pretouched_passes(task)):
+                    if i:
+                        slabs.reset()
+                    t0 = time.perf_counter()
+                    await slabs.load(checkpoint, options=options)
+                    timed.pass_seconds.append(time.perf_counter() - t0)
+            timed.stop()
+            if stolen is not None and (now := steal_ms()) is not None:
+                # A long tick in a load the hypervisor took time from is not the loader's alone.
+                out["steal_ms"] = now - stolen
+        lags.extend(ticker.lags)
         out.update(timed.record())
-        out["idle_lag_ms"] = lag_summary(idle)
-        out["idle_lag_samples_ms"] = [round(x * 1e3, 4) for x in idle]
+        out["idle_lag_ms"] = lag_summary(idle.lags)
+        out["idle_lag_samples_ms"] = [round(x * 1e3, 4) for x in idle.lags]
         stats = slabs.statistics()
         out["reads"] = stats.reads
         out["bytes_read"] = stats.bytes_read
