@@ -6,9 +6,17 @@ from ._public import publish as _publish
 from .engines._vllm import LOAD_FORMAT as LOAD_FORMAT
 from .engines._vllm import AsyncSlabLoader as AsyncSlabLoader
 from .engines._vllm import LoadReport as LoadReport
+from .engines._vllm import ReloadReport as ReloadReport
 from .engines._vllm import options_from_config as options_from_config
 from .engines._vllm import register as register
 
-__all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
+__all__ = [
+    "LOAD_FORMAT",
+    "AsyncSlabLoader",
+    "LoadReport",
+    "ReloadReport",
+    "options_from_config",
+    "register",
+]
 
 _publish(globals())

@@ -34,9 +34,16 @@ from ..errors import CheckpointError
 from ..loading import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
 from ._vllm_object_store import install, object_weights, open_checkpoint
-from ._vllm_reload import reload_tensors, remember
+from ._vllm_reload import ReloadReport, reload_tensors, remember
 
-__all__ = ["LOAD_FORMAT", "AsyncSlabLoader", "LoadReport", "options_from_config", "register"]
+__all__ = [
+    "LOAD_FORMAT",
+    "AsyncSlabLoader",
+    "LoadReport",
+    "ReloadReport",
+    "options_from_config",
+    "register",
+]
 
 LOAD_FORMAT = "asyncslab"
 
@@ -53,21 +60,40 @@ def register() -> None:
     install(LOAD_FORMAT)
 
 
+#: Extra-config keys of the loader itself, beside the :class:`LoadOptions` fields.
+#: ``place_local_files``: a reload reads a local checkpoint's tensors straight into vLLM's
+#: parameters too, as it does from object storage (else it hands vLLM views of the files'
+#: mappings, which measured faster; docs/vllm.md, "Reloading in place").
+_LOADER_KEYS = ("place_local_files",)
+
+
 def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
-    """``--model-loader-extra-config`` as :class:`LoadOptions`: an unknown key or a bad value
-    is refused naming it, at startup."""
+    """``--model-loader-extra-config`` as :class:`LoadOptions` (the loader's own keys,
+    ``place_local_files``, left out): an unknown key or a bad value is refused naming it, at
+    startup."""
     config = dict(config or {})
     known = {f.name for f in dataclasses.fields(LoadOptions)}
-    unknown = sorted(set(config) - known)
+    unknown = sorted(set(config) - known - set(_LOADER_KEYS))
     if unknown:
         raise ValueError(
             f"load format {LOAD_FORMAT!r}: unknown model_loader_extra_config key "
-            f"{unknown[0]!r}; the keys are LoadOptions fields: {', '.join(sorted(known))}"
+            f"{unknown[0]!r}; the keys are LoadOptions fields: {', '.join(sorted(known))}, "
+            f"and {', '.join(_LOADER_KEYS)}"
         )
     try:
-        return LoadOptions(**config)
+        return LoadOptions(**{k: v for k, v in config.items() if k in known})
     except (TypeError, ValueError) as err:
         raise ValueError(f"load format {LOAD_FORMAT!r}: model_loader_extra_config: {err}") from err
+
+
+def _place_local_files(config: Mapping[str, Any] | None) -> bool:
+    value = (config or {}).get("place_local_files", False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"load format {LOAD_FORMAT!r}: model_loader_extra_config: place_local_files "
+            f"must be true or false, got {value!r}"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,16 +130,21 @@ class LoadReport(EngineLoad):
 
 
 class AsyncSlabLoader(BaseModelLoader):
-    """``load_format="asyncslab"``. Extra-config keys are :class:`LoadOptions` fields.
+    """``load_format="asyncslab"``. Extra-config keys are :class:`LoadOptions` fields and
+    ``place_local_files`` (see ``_LOADER_KEYS``).
 
     ``report`` describes this loader's last load; ``last_report`` the last load of any in
-    this process (a worker's, for ``LLM.collective_rpc``)."""
+    this process (a worker's, for ``LLM.collective_rpc``). The same for reloads:
+    ``reload_report`` and ``last_reload`` (vLLM's ``reload_weights`` makes a loader of its
+    own and drops it, so only the latter outlives the call)."""
 
     last_report: LoadReport | None = None
+    last_reload: ReloadReport | None = None
 
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
         self.options = options_from_config(load_config.model_loader_extra_config)
+        self.place_local_files = _place_local_files(load_config.model_loader_extra_config)
         # vLLM's own file selection (download, index filtering, patterns), configured as
         # for safetensors, which is what this format reads.
         self._files = DefaultModelLoader(
@@ -122,6 +153,7 @@ class AsyncSlabLoader(BaseModelLoader):
             )
         )
         self.report: LoadReport | None = None
+        self.reload_report: ReloadReport | None = None
 
     def download_model(self, model_config: Any) -> None:
         if object_weights(model_config) is None:  # objects are read where they are
@@ -173,7 +205,15 @@ class AsyncSlabLoader(BaseModelLoader):
         ``_stream``), the next window read while vLLM's loaders take the current one."""
         checkpoint, names = self._checkpoint(model, model_config)
         # Files vLLM reads hold nothing it would skip: every tensor goes to its loader.
-        yield from reload_tensors(checkpoint, names, model, host(self.options), logger)
+        self.reload_report = yield from reload_tensors(
+            checkpoint,
+            names,
+            model,
+            host(self.options),
+            logger,
+            place_local_files=self.place_local_files,
+        )
+        AsyncSlabLoader.last_reload = self.reload_report
 
     def _checkpoint(self, model: nn.Module, model_config: Any) -> tuple[Checkpoint, dict[str, str]]:
         """The safetensors files vLLM would read, as one checkpoint, and the names vLLM

@@ -20,7 +20,8 @@ Tensors are placed where the checkpoint is in object storage: there each GET goe
 into its parameter, where the stream would read it into a window for vLLM to copy. A local
 checkpoint's bytes are in the page cache already, and handing them over as views of the
 files' mappings (the stream's way, and vLLM's own reader's) for vLLM's one copy measured
-faster here than reading them into the parameters (docs/vllm.md, Performance).
+faster here than reading them into the parameters (docs/vllm.md, Performance); the loader's
+``place_local_files`` places them too (the tests pin the placement inside vLLM with it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 
 import torch
 from torch import nn
@@ -59,13 +60,6 @@ class ReloadReport:
     declined: dict[str, int]
 
 
-#: Place a local checkpoint's tensors too (see the module's docstring; the tests turn it on
-#: to pin the placement inside vLLM with local files).
-PLACE_LOCAL_FILES = False
-
-#: The last reload in this process (a worker's, for ``LLM.collective_rpc``).
-last_reload: ReloadReport | None = None
-
 # Per model, where its first load put each tensor: vLLM's reload asks a loader made afresh
 # (``get_model_loader``), so the model, not the loader, holds it. Weak: the model's end is
 # the placement's.
@@ -82,17 +76,21 @@ def reload_tensors(
     model: nn.Module,
     options: LoadOptions,
     log: logging.Logger,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    *,
+    place_local_files: bool = False,
+) -> Generator[tuple[str, torch.Tensor], None, ReloadReport]:
     """Every tensor of ``checkpoint`` by vLLM's name (``names``: vLLM's -> checkpoint's),
-    for ``model.load_weights``: from object storage, those the first load recorded copied
-    whole into one parameter read straight into it (handed over as a view of it, so that
-    vLLM's copy is of the bytes onto themselves); the rest streamed. Runs when first
-    iterated, inside vLLM's ``load_weights``: its reload has restored the layers by then."""
+    for ``model.load_weights``: from object storage (or local files, with
+    ``place_local_files``), those the first load recorded copied whole into one parameter
+    read straight into it (handed over as a view of it, so that vLLM's copy is of the bytes
+    onto themselves); the rest streamed. Runs when first iterated, inside vLLM's
+    ``load_weights``: its reload has restored the layers by then. Returns (as the
+    generator's value, to ``yield from``) what it did."""
     vllm_name = {ck: name for name, ck in names.items()}
     placement = _PLACEMENTS.get(model)
     placer = None
     objects = any(f.source is not None for f in checkpoint.files)
-    if placement is not None and (objects or PLACE_LOCAL_FILES):
+    if placement is not None and (objects or place_local_files):
         placer = Placer(placement, checkpoint, names, resolver(model, reloading(model)))
     # The collector is not paused here, as it is for the first load: the pause would span
     # the yields, and a consumer that dropped this iterator inside a reference cycle would
@@ -107,15 +105,13 @@ def reload_tensors(
         0 if placer is None else placer.placed_bytes,
         {} if placer is None else dict(placer.declined),
     )
-    global last_reload
-    last_reload = report
     if placer is None:
         log.info(
             "asyncslab reload: %d tensors handed to vLLM's loaders from %s",
             report.tensors,
             "object storage" if objects else "views of the files' mappings",
         )
-        return
+        return report
     log.info(
         "asyncslab reload: %d of %d tensors (%s) read straight into vLLM's parameters%s",
         report.placed,
@@ -123,6 +119,7 @@ def reload_tensors(
         format_bytes(report.placed_bytes),
         "".join(f"; {n} not: {why}" for why, n in sorted(report.declined.items())),
     )
+    return report
 
 
 def reloading(model: nn.Module) -> bool:

@@ -163,6 +163,12 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
             "formats": ["asyncslab"],
             "extra": {"io_workers": 0},
         },
+        {
+            "name": "bad-flag",
+            "model": str(models["llama"]),
+            "formats": ["asyncslab"],
+            "extra": {"place_local_files": "yes"},
+        },
     ]
     return _worker("loads", cases, tmp)
 
@@ -455,12 +461,15 @@ def test_an_index_naming_a_missing_file_fails_naming_it(loads: dict[str, Any]) -
 
 
 def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, Any]) -> None:
-    unknown, bad = loads["unknown-key"], loads["bad-value"]
+    unknown, bad, flag = loads["unknown-key"], loads["bad-value"], loads["bad-flag"]
     assert unknown["error"] == "ValueError"
     assert "unknown model_loader_extra_config key 'io_wrokers'" in unknown["message"]
     assert "io_workers" in unknown["message"]  # the keys it takes are listed
+    assert "place_local_files" in unknown["message"]  # the loader's own too
     assert bad["error"] == "ValueError"
     assert "LoadOptions.io_workers must be positive" in bad["message"]
+    assert flag["error"] == "ValueError"
+    assert "place_local_files must be true or false, got 'yes'" in flag["message"]
 
 
 # --- the engine end to end --------------------------------------------------------------

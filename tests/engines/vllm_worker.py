@@ -284,10 +284,16 @@ def _digests(worker: Any) -> dict[str, str]:
 
 
 def _last_reload(worker: Any) -> dict[str, Any] | None:
-    from asyncslab.engines import _vllm_reload
+    from asyncslab.vllm import AsyncSlabLoader
 
-    report = _vllm_reload.last_reload
+    report = AsyncSlabLoader.last_reload
     return None if report is None else dataclasses.asdict(report)
+
+
+def _forget_reload(worker: Any) -> None:
+    from asyncslab.vllm import AsyncSlabLoader
+
+    AsyncSlabLoader.last_reload = None  # this case's report, not an earlier one's
 
 
 def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -295,15 +301,18 @@ def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     import asyncslab.vllm  # noqa: F401
-    from asyncslab.engines import _vllm_reload
 
     out: dict[str, Any] = {}
     for case in cases:
         record: dict[str, Any] = {}
         fmt = case.get("format", "asyncslab")
-        _vllm_reload.last_reload = None  # this case's, not an earlier one's
-        _vllm_reload.PLACE_LOCAL_FILES = bool(case.get("place"))
-        llm, record["before"] = _greedy(case, fmt, distributed_executor_backend="uni")
+        # Local files placed as objects are: the loader's option, which vLLM's reload passes
+        # on to the loader it makes (the same load config).
+        extra = (
+            {"model_loader_extra_config": {"place_local_files": True}} if case.get("place") else {}
+        )
+        llm, record["before"] = _greedy(case, fmt, distributed_executor_backend="uni", **extra)
+        llm.collective_rpc(_forget_reload)
         try:
             llm.collective_rpc("reload_weights", kwargs={"weights_path": case["other"]})
             results = llm.generate(
