@@ -11,7 +11,7 @@ from ._format import TensorInfo as TensorInfo
 from ._header import TensorTable as TensorTable
 from ._header import frozen_columns as frozen_columns
 from ._header import gc_paused as gc_paused
-from ._header import safetensors_dtype as safetensors_dtype
+from ._header_parse import safetensors_dtype as safetensors_dtype
 from ._object_store import client as client
 from ._object_store import endpoint as endpoint
 from ._object_store import etag_of as etag_of

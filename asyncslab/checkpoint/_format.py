@@ -20,11 +20,9 @@ from ..errors import (
     MissingFileError,
 )
 from ._header import (
-    DTYPES,
     INDEX_NAME,
     INDEX_SUFFIX,
     MAX_HEADER_BYTES,
-    Kind,
     ShardFile,
     ShardTensors,
     TensorInfo,
@@ -33,9 +31,9 @@ from ._header import (
     gc_paused,
     kind_of,
     parse_header,
-    safetensors_dtype,
     shard_columns,
 )
+from ._header_parse import DTYPES, Kind, safetensors_dtype
 from ._index import Index, check_index_matches, check_inside, files_of_index, find_index, read_index
 from ._source import SCHEMES
 

@@ -21,15 +21,8 @@ from ..errors import (
     MissingFileError,
     UnsafePathError,
 )
-from ._header import (
-    INDEX_NAME,
-    INDEX_SUFFIX,
-    TensorTable,
-    as_dict,
-    is_object,
-    loads_object,
-    reject_constant,
-)
+from ._header import INDEX_NAME, INDEX_SUFFIX, TensorTable
+from ._header_parse import as_dict, is_object, loads_object, reject_constant
 
 __all__ = [
     "Index",

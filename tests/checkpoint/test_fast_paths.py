@@ -36,7 +36,7 @@ from asyncslab import (
     plan,
 )
 from asyncslab.checkpoint._format import frozen_columns
-from asyncslab.checkpoint._header import _ITEMSIZE, _parse_compact, _parse_general
+from asyncslab.checkpoint._header_parse import _ITEMSIZE, parse_compact, parse_general
 from asyncslab.checkpoint._index import _parse_index, _weight_map_compact
 from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
 from asyncslab.planning._plan import _valid, _validate
@@ -84,10 +84,10 @@ def headers(draw: st.DrawFn) -> str:
 
 def agree(text: str) -> bool:
     """The compact reader declines, or agrees with the general parser; True if it read it."""
-    fast = _parse_compact(text)
+    fast = parse_compact(text)
     if fast is None:
         return False
-    assert _parse_general(text, HERE) == fast
+    assert parse_general(text, HERE) == fast
     return True
 
 
@@ -96,7 +96,7 @@ def agree(text: str) -> bool:
 def test_property_compact_header_agrees_with_general(text: str) -> None:
     taken = agree(text)
     try:
-        _parse_general(text, HERE)
+        parse_general(text, HERE)
     except AsyncSlabError:
         assert not taken
         return
@@ -176,7 +176,7 @@ SEP = ('":{"dtype":"', '","shape":[', '],"data_offsets":[')
     ],
 )
 def test_hostile_compact_header_falls_through(text: str) -> None:
-    assert _parse_compact(text) is None
+    assert parse_compact(text) is None
 
 
 def test_compact_header_out_of_order_and_zero_size_match_general() -> None:
@@ -187,7 +187,7 @@ def test_compact_header_out_of_order_and_zero_size_match_general() -> None:
         '"a":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}}'
     )
     assert agree(text)
-    assert _parse_compact(text).names == ["a", "y", "z", "b"]  # type: ignore[union-attr]
+    assert parse_compact(text).names == ["a", "y", "z", "b"]  # type: ignore[union-attr]
 
 
 def test_same_checkpoint_compact_and_indented_opens_the_same(tmp_path: Path) -> None:
