@@ -4,10 +4,8 @@ Public as :mod:`asyncslab.distributed`. Nothing here coordinates on its own: the
 group (started by ``torchrun`` or ``torch.multiprocessing``; NCCL on GPUs, gloo on CPU) is the
 only channel between ranks, and every exchange is an ordinary collective.
 
-* :func:`rank_plan` builds this rank's plan from the group's rank and size: the whole
-  checkpoint (``replicated``), this rank's slices of a pre-sliced checkpoint
-  (``pre-sliced``), this rank's rows of whole projection weights (``rows``), this rank's
-  experts (``experts``), or rows and experts together (``rows+experts``).
+* :func:`~._rank_plan.rank_plan` (in ``_rank_plan``) builds this rank's plan from the
+  group's rank and size.
 * :func:`load` loads each rank's plan, then agrees across ranks: either every rank has its
   slabs complete, or every rank raises :class:`DistributedLoadError` naming the rank that
   failed and its error — a failure on one rank never leaves the others waiting.
@@ -29,9 +27,9 @@ like a local load, so the slabs fill, gate and report alike. The chunk list, thi
 chunk reader and the landing index live in ``_chunks``; where the reader's bytes come from
 (the shards' files, or objects by ranged GETs pinned to their ETags), in ``_sources``; the
 pass that moves the chunks, in ``_shared_pass``; the collectives and the protocol thread's
-calls onto the loop, in ``_protocol``. Here: the plans, the pre-flight, the agreement, and
-the load's owner. A checkpoint in object storage needs nothing else here: without
-``share_reads`` each rank's ordinary load fetches its plan's ranges.
+calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here: the pre-flight,
+the agreement, and the load's owner. A checkpoint in object storage needs nothing else
+here: without ``share_reads`` each rank's ordinary load fetches its plan's ranges.
 """
 
 from __future__ import annotations
@@ -39,36 +37,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._os import peak_rss
-from ..checkpoint import Checkpoint, TensorInfo
+from ..checkpoint import Checkpoint
 from ..errors import (
     DistributedLoadError,
     LoadError,
-    PlanError,
 )
 from ..loading import Load, LoadOptions, SlabSet, begin_shared, is_closed, settled, void
-from ..planning import (
-    EXL3_EXPERT_PATTERN,
-    Claim,
-    Dense,
-    Plan,
-    RowSlice,
-    Rule,
-    TieredMoE,
-    load_tier_map,
-    plan,
-)
+from ..planning import Plan
 from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
     ABORTED,
@@ -84,148 +69,7 @@ from ._protocol import (
 from ._shared_pass import SharedPass
 from ._sources import open_source, version_problems, versions
 
-__all__ = [
-    "DEFAULT_ROWS",
-    "MODES",
-    "DistributedLoad",
-    "Mode",
-    "RankReport",
-    "RoundRobinExperts",
-    "load",
-    "rank_plan",
-]
-
-Mode = Literal["replicated", "pre-sliced", "rows", "experts", "rows+experts"]
-MODES: tuple[str, ...] = ("replicated", "pre-sliced", "rows", "experts", "rows+experts")
-
-#: Tensors ``rows`` mode slices by rows: the linear projections and the embeddings.
-DEFAULT_ROWS = r".*(?:_proj|embed_tokens|lm_head)\.weight"
-
-
-# --- plans -------------------------------------------------------------------------------
-
-
-def _group_rank_world(group: Any, rank: int | None, world: int | None) -> tuple[int, int]:
-    if rank is not None and world is not None:
-        return rank, world
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PlanError(
-            "torch.distributed is not initialized; call init_process_group first, or pass "
-            "rank= and world="
-        )
-    got_rank = dist.get_rank(group) if rank is None else rank
-    got_world = dist.get_world_size(group) if world is None else world
-    if got_rank < 0:
-        raise PlanError("this process is not a member of the given process group")
-    return got_rank, got_world
-
-
-@dataclass(frozen=True, slots=True)
-class RoundRobinExperts:
-    """Expert parallelism's default ownership: rank ``r`` of ``world`` owns experts
-    ``e`` with ``e % world == r`` in every layer."""
-
-    rank: int
-    world: int
-
-    def __call__(self, layer: int, expert: int) -> bool:
-        return expert % self.world == self.rank
-
-
-@dataclass(frozen=True, slots=True)
-class _RankTag:
-    """Claims nothing; records in ``plan.extras["distributed"]`` what the plan was made
-    for, so that :func:`load` can check every rank planned its own part of one mode."""
-
-    mode: str
-    rank: int
-    world: int
-
-    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
-        # A plain dict: plan summaries are JSON-ready.
-        return Claim(
-            extras={"distributed": {"mode": self.mode, "rank": self.rank, "world": self.world}}
-        )
-
-
-def _slice_count(checkpoint: Checkpoint, pattern: str) -> int | None:
-    regex = re.compile(pattern)
-    ranks = set()
-    for name in checkpoint.tensors:
-        m = regex.fullmatch(name)
-        if m is not None and m.groupdict().get("rank") is not None:
-            ranks.add(int(m.group("rank")))
-    return max(ranks) + 1 if ranks else None
-
-
-def rank_plan(
-    checkpoint: Checkpoint,
-    *,
-    mode: Mode,
-    group: Any = None,
-    rank: int | None = None,
-    world: int | None = None,
-    rows: str = DEFAULT_ROWS,
-    owns: Callable[[int, int], bool] | None = None,
-    tier_map: Mapping[int, Mapping[int, int]] | str | Path | None = None,
-    ignore: Iterable[str] = (),
-    unmatched: Literal["error", "ignore"] = "error",
-) -> Plan:
-    """This rank's plan of ``checkpoint``; rank and size come from ``group`` (default: the
-    default process group) unless ``rank=`` and ``world=`` are given.
-
-    ``mode``:
-
-    * ``"replicated"``: the whole checkpoint on every rank (data parallel replicas).
-    * ``"pre-sliced"``: a checkpoint whose expert tensors are sliced per rank
-      (``...<proj>.rank<r>.<suffix>``) into exactly ``world`` slices: this rank's slices,
-      plus every unsliced tensor.
-    * ``"rows"``: rows ``[r*n/world, (r+1)*n/world)`` of every tensor matching ``rows``
-      (default :data:`DEFAULT_ROWS`; the first dimension must divide by ``world``), the
-      rest whole.
-    * ``"experts"``: the experts ``owns(layer, expert)`` accepts (default
-      :class:`RoundRobinExperts`), the rest whole.
-    * ``"rows+experts"``: both.
-
-    The plan records ``{"mode", "rank", "world"}`` in ``plan.extras["distributed"]``.
-    """
-    if mode not in MODES:
-        raise PlanError(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
-    r, w = _group_rank_world(group, rank, world)
-    if not 0 <= r < w:
-        raise PlanError(f"rank {r} is outside world size {w}")
-    declared = load_tier_map(tier_map) if tier_map is not None else None
-    slices = _slice_count(checkpoint, EXL3_EXPERT_PATTERN)
-    if mode == "pre-sliced":
-        if slices is None:
-            raise PlanError(
-                "mode 'pre-sliced' needs a checkpoint sliced per rank "
-                "('...<proj>.rank<r>.<suffix>'); this one has whole expert tensors"
-            )
-        if slices != w:
-            raise PlanError(
-                f"checkpoint is sliced for {slices} ranks, but the process group has {w}"
-            )
-    elif slices is not None:
-        raise PlanError(f"checkpoint is sliced for {slices} ranks; load it with mode='pre-sliced'")
-    rules: list[Rule] = [_RankTag(mode, r, w)]
-    if mode in ("rows", "rows+experts"):
-        rules.append(RowSlice(rows, rank=r, world=w))
-    expert_owns = None
-    if mode in ("experts", "rows+experts"):
-        expert_owns = owns if owns is not None else RoundRobinExperts(r, w)
-    elif owns is not None:
-        raise PlanError(f"owns= applies to modes 'experts' and 'rows+experts', not {mode!r}")
-    rules.append(
-        TieredMoE(
-            tier_map=declared,
-            rank=r if mode == "pre-sliced" else None,
-            owns=expert_owns,
-        )
-    )
-    rules.append(Dense())
-    return plan(checkpoint, rules, ignore=ignore, unmatched=unmatched)
-
+__all__ = ["DistributedLoad", "RankReport", "load"]
 
 # --- results -----------------------------------------------------------------------------
 
@@ -719,7 +563,12 @@ async def load(
         await _release(session, into is None)
         del session, into
         raise value
-    reports = tuple(
+    return _completed(session, value)
+
+
+def _completed(session: _Session, reports: Sequence[dict[str, Any]]) -> DistributedLoad:
+    """The load every rank agreed on, from the agreement's reports (in rank order)."""
+    ranks = tuple(
         RankReport(
             rank=r["rank"],
             fingerprint=r["fingerprint"],
@@ -731,15 +580,15 @@ async def load(
             elapsed_s=r["elapsed_s"],
             peak_rss=r["peak_rss"],
         )
-        for r in value
+        for r in reports
     )
     return DistributedLoad(
         slabs=session.slabs,
         rank=session.rank,
         world=session.world,
-        share_reads=share_reads,
-        fingerprint=_combined([r["slices"] for r in value]),
-        ranks=reports,
+        share_reads=session.share,
+        fingerprint=_combined([r["slices"] for r in reports]),
+        ranks=ranks,
     )
 
 

@@ -39,6 +39,7 @@ from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
 from asyncslab.distributed import _chunks as shared
 from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _sources as sources
+from asyncslab.distributed import rank_plan
 from asyncslab.errors import DistributedLoadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
 from tests.helpers import HANG_S, raw_bytes
@@ -270,14 +271,14 @@ async def _all_modes(rank: int, world: int, root: Path, result: dict[str, Any]) 
     loads: dict[str, Any] = {}
     for mode in ("replicated", *SLICED_MODES):
         ckpt = _open(root, mode)
-        plan = distributed.rank_plan(ckpt, mode=mode)
+        plan = rank_plan(ckpt, mode=mode)
         for share in (False, True):
             loads[f"{mode}/{'share' if share else 'own'}"] = await _load_and_verify(
                 ckpt, plan, share=share
             )
     # A shared reload into the same slabs: in place, every pointer kept.
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     first = await distributed.load(ckpt, plan, share_reads=True, chunk_bytes=SHARE_CHUNK)
     async with first:
         pointers = {n: first.slabs.slab(n).data_ptr() for n in plan.slabs}
@@ -362,7 +363,7 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     out: dict[str, Any] = {}
     for mode, share in (("experts", False), ("replicated", True), ("pre-sliced", True)):
         ckpt = _open(root, mode)
-        plan = distributed.rank_plan(ckpt, mode=mode)
+        plan = rank_plan(ckpt, mode=mode)
         undo = _patch_preadv(_eio) if rank == 1 else (lambda: None)
         try:
             out[f"eio/{mode}/{share}"] = await _expect_failure(ckpt, plan, share)
@@ -371,17 +372,17 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
 
     # A plan made for the wrong rank: every rank refuses before reading.
     ckpt = _open(root, "experts")
-    wrong = distributed.rank_plan(ckpt, mode="experts", rank=0, world=world)
+    wrong = rank_plan(ckpt, mode="experts", rank=0, world=world)
     out["wrong-plan"] = await _expect_failure(ckpt, wrong, True)
     # Ranks that would run different sequences of collectives refuse before any of them.
-    plan = distributed.rank_plan(ckpt, mode="experts")
+    plan = rank_plan(ckpt, mode="experts")
     out["mismatch"] = await _expect_failure(ckpt, plan, True, chunk_bytes=SHARE_CHUNK + rank)
 
     # Cancelling one rank's load fails the others' and leaves the group in step.
     slow = LoadOptions(read_size=16 << 10, coalesce_gap=0)
     for share in (False, True):
         ckpt = _open(root, "replicated")
-        plan = distributed.rank_plan(ckpt, mode="replicated")
+        plan = rank_plan(ckpt, mode="replicated")
         if rank == 1:
             # Cancelled once its first read is under way, every later read held until then:
             # surely mid-load (after a fixed 0.3 s, a load could be anywhere).
@@ -421,9 +422,7 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
 
     # The group is still usable, and a load after the failures succeeds.
     ckpt = _open(root, "replicated")
-    out["after"] = await _load_and_verify(
-        ckpt, distributed.rank_plan(ckpt, mode="replicated"), share=True
-    )
+    out["after"] = await _load_and_verify(ckpt, rank_plan(ckpt, mode="replicated"), share=True)
     result["faults"] = out
 
 
@@ -440,7 +439,7 @@ def _make_killer(after: int) -> Callable[[], None]:
 
 async def _killed(rank: int, world: int, root: Path, result: dict[str, Any], share: bool) -> None:
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     if rank == 1:
         _patch_preadv(_make_killer(3))
     options = LoadOptions(read_size=32 << 10, coalesce_gap=0)
@@ -464,7 +463,7 @@ async def _killed_share(rank: int, world: int, root: Path, result: dict[str, Any
 async def _hung(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
     """Rank 1 hangs in a read. Rank 0 relies on the group's timeout, rank 2 on timeout=."""
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     if rank == 1:
         _patch_preadv(lambda: time.sleep(3600))
     started = time.perf_counter()
@@ -529,7 +528,7 @@ async def _edges(rank: int, world: int, root: Path, result: dict[str, Any]) -> N
     out: dict[str, Any] = result.setdefault("edges", {})
     # A checkpoint holding a zero-size tensor: its route lands without a byte to share.
     zero = Checkpoint.open(root / "zero")
-    plan = distributed.rank_plan(zero, mode="replicated")
+    plan = rank_plan(zero, mode="replicated")
     for share in (False, True):
         try:
             loaded = await distributed.load(zero, plan, share_reads=share, chunk_bytes=1000)
@@ -542,7 +541,7 @@ async def _edges(rank: int, world: int, root: Path, result: dict[str, Any]) -> N
     # A failed load into given slabs leaves none of their units complete, whichever rank
     # failed and however far its units got.
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     slow = LoadOptions(read_size=32 << 10, coalesce_gap=0, io_workers=1)
     for share in (False, True):
         into = asyncslab.SlabSet(plan)
@@ -574,7 +573,7 @@ async def _edges(rank: int, world: int, root: Path, result: dict[str, Any]) -> N
     out["plain-plan-on-rank-0"] = await _attempt(distributed.load(ckpt, plain))
     # chunk_bytes that is not a positive int, on every rank or on one (the small checkpoint:
     # True was taken for 1, a broadcast per byte).
-    plan = distributed.rank_plan(zero, mode="replicated")
+    plan = rank_plan(zero, mode="replicated")
     out["chunk-bool"] = await _attempt(
         distributed.load(zero, plan, share_reads=True, chunk_bytes=True)
     )
@@ -595,7 +594,7 @@ SCENARIOS["edges"] = _edges
 async def _copy_fails(rank: int, world: int, root: Path, result: dict[str, Any]) -> None:
     """Rank 1's copy out of a broadcast chunk raises (as a CUDA copy might)."""
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     if rank == 1:
         real = shared.RouteIndex.overlaps
         calls = [0]
@@ -624,7 +623,7 @@ async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any
     import weakref
 
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     if rank == 1:
 
         def refuse(*args: Any, **kwargs: Any) -> int:
@@ -651,7 +650,7 @@ async def _cuda_slabs(rank: int, world: int, root: Path, result: dict[str, Any])
     """Ranks loading into CUDA slabs over gloo (both on one GPU): the shared reads' chunk
     buffers are pinned and copied to the device; every slot checked against safetensors."""
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     for share in (False, True):
         loaded = await distributed.load(
             ckpt, plan, share_reads=share, device="cuda", chunk_bytes=SHARE_CHUNK
@@ -685,7 +684,7 @@ async def _deadline_share(
     never returns (``oom``: and from then on its protocol cannot allocate). The other rank
     must hear of it in step, not at the group's timeout."""
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     deadline = 1.0 if stuck else 0.3
     if rank == 1:
         if stuck:
@@ -821,7 +820,7 @@ async def _set_up_fails(rank: int, world: int, root: Path, result: dict[str, Any
     a collective breaks the group and ends the run."""
     out: dict[str, Any] = result.setdefault("set_up", {})
     ckpt = _open(root, "replicated")
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     fds = _open_fds()
     for case, (fault, share) in SET_UP_FAILURES.items():
         undo = fault() if rank == 1 else (lambda: None)
@@ -1081,18 +1080,18 @@ def test_rank_plan_modes_partition_the_checkpoint(
     moe_checkpoint: SyntheticCheckpoint,
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
-    full = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
+    full = rank_plan(ckpt, mode="replicated", rank=0, world=1)
     assert full.extras["distributed"] == {"mode": "replicated", "rank": 0, "world": 1}
-    experts = [distributed.rank_plan(ckpt, mode="experts", rank=r, world=2) for r in range(2)]
+    experts = [rank_plan(ckpt, mode="experts", rank=r, world=2) for r in range(2)]
     for r, p in enumerate(experts):
         assert {x.expert for x in p.routes if x.expert is not None} == {
             e for e in range(moe_checkpoint.spec.n_experts) if e % 2 == r
         }
-    rows = [distributed.rank_plan(ckpt, mode="rows", rank=r, world=2) for r in range(2)]
+    rows = [rank_plan(ckpt, mode="rows", rank=r, world=2) for r in range(2)]
     name = "model.layers.0.self_attn.q_proj.weight"
     assert rows[0].route(name).shape == (128, 256)
     assert rows[1].route(name).src_offset == rows[0].route(name).src_offset + 128 * 256 * 2
-    both = distributed.rank_plan(ckpt, mode="rows+experts", rank=1, world=2)
+    both = rank_plan(ckpt, mode="rows+experts", rank=1, world=2)
     assert both.route(name).shape == (128, 256)
     assert all(x.expert % 2 == 1 for x in both.routes if x.expert is not None)
     # Which rows a plan carries is part of its fingerprint, and swapping which rank holds
@@ -1100,7 +1099,7 @@ def test_rank_plan_modes_partition_the_checkpoint(
     slices = [p.fingerprint for p in rows]
     assert slices[0] != slices[1]
     assert distributed._combined(slices) != distributed._combined(slices[::-1])
-    mine = distributed.rank_plan(ckpt, mode="experts", rank=0, world=2, owns=lambda layer, e: e < 3)
+    mine = rank_plan(ckpt, mode="experts", rank=0, world=2, owns=lambda layer, e: e < 3)
     assert {x.expert for x in mine.routes if x.expert is not None} == {0, 1, 2}
 
 
@@ -1110,27 +1109,27 @@ def test_rank_plan_refuses_what_does_not_fit(tmp_path: Path) -> None:
         asyncslab.testing.write_synthetic(tmp_path / "s", SyntheticSpec(tp_ranks=2)).root
     )
     with pytest.raises(PlanError, match="sliced for 2 ranks, but the process group has 4"):
-        distributed.rank_plan(sliced, mode="pre-sliced", rank=0, world=4)
+        rank_plan(sliced, mode="pre-sliced", rank=0, world=4)
     with pytest.raises(PlanError, match="load it with mode='pre-sliced'"):
-        distributed.rank_plan(sliced, mode="experts", rank=0, world=2)
+        rank_plan(sliced, mode="experts", rank=0, world=2)
     with pytest.raises(PlanError, match="has whole expert tensors"):
-        distributed.rank_plan(whole, mode="pre-sliced", rank=0, world=2)
+        rank_plan(whole, mode="pre-sliced", rank=0, world=2)
     with pytest.raises(PlanError, match="unknown mode"):
-        distributed.rank_plan(whole, mode="columns", rank=0, world=2)  # type: ignore[arg-type]
+        rank_plan(whole, mode="columns", rank=0, world=2)  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="cannot split shape"):
-        distributed.rank_plan(whole, mode="rows", rank=0, world=3)
+        rank_plan(whole, mode="rows", rank=0, world=3)
     with pytest.raises(PlanError, match="owns= applies"):
-        distributed.rank_plan(whole, mode="rows", rank=0, world=2, owns=lambda layer, e: True)
+        rank_plan(whole, mode="rows", rank=0, world=2, owns=lambda layer, e: True)
     with pytest.raises(PlanError, match="not initialized"):
-        distributed.rank_plan(whole, mode="replicated")
-    p = distributed.rank_plan(sliced, mode="pre-sliced", rank=1, world=2)
+        rank_plan(whole, mode="replicated")
+    p = rank_plan(sliced, mode="pre-sliced", rank=1, world=2)
     assert all(".rank1." in r.tensor for r in p.routes if r.expert is not None)
 
 
 @pytest.mark.asyncio
 async def test_load_needs_a_process_group(moe_checkpoint: SyntheticCheckpoint) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
-    plan = distributed.rank_plan(ckpt, mode="replicated", rank=0, world=1)
+    plan = rank_plan(ckpt, mode="replicated", rank=0, world=1)
     with pytest.raises(LoadError, match="not initialized"):
         await distributed.load(ckpt, plan)
 
@@ -1359,24 +1358,24 @@ async def _disagree(rank: int, world: int, root: Path, result: dict[str, Any]) -
     sliced = _open(root, "pre-sliced")
     # Another mode on rank 1: each rank would load a part of a different split.
     mode = "experts" if rank == 0 else "rows"
-    out["mode"] = await _attempt(distributed.load(whole, distributed.rank_plan(whole, mode=mode)))
+    out["mode"] = await _attempt(distributed.load(whole, rank_plan(whole, mode=mode)))
     # A replicated plan that leaves a tensor out on rank 1 only.
     skip = ("model.layers.0.self_attn.q_proj.weight",) if rank == 1 else ()
-    replicated = distributed.rank_plan(whole, mode="replicated", ignore=skip)
+    replicated = rank_plan(whole, mode="replicated", ignore=skip)
     out["replicated"] = await _attempt(distributed.load(whole, replicated))
     # Another checkpoint on rank 1.
     if rank == 0:
-        other = distributed.rank_plan(whole, mode="experts")
+        other = rank_plan(whole, mode="experts")
         out["checkpoint"] = await _attempt(distributed.load(whole, other))
     else:
-        other = distributed.rank_plan(sliced, mode="pre-sliced")
+        other = rank_plan(sliced, mode="pre-sliced")
         out["checkpoint"] = await _attempt(distributed.load(sliced, other))
     # Good shared loads whose chunks hold several routes and cut them at odd offsets, and
     # an expert split that is not round robin.
     for mode, chunk in (("rows+experts", 4097), ("experts", 3001), ("pre-sliced", 777)):
         ckpt = _open(root, mode)
         owns = (lambda layer, e: (e < 3) == (rank == 0)) if mode == "experts" else None
-        plan = distributed.rank_plan(ckpt, mode=mode, owns=owns)
+        plan = rank_plan(ckpt, mode=mode, owns=owns)
         loaded = await distributed.load(ckpt, plan, share_reads=True, chunk_bytes=chunk)
         async with loaded:
             got = _verify(loaded.slabs, ckpt)

@@ -27,6 +27,7 @@ import asyncslab
 from asyncslab import Checkpoint, LoadOptions
 from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _sources as sources
+from asyncslab.distributed import rank_plan
 from asyncslab.testing import SyntheticCheckpoint
 from tests.conftest import ObjectServer
 from tests.distributed.test_distributed import _error, _spawn
@@ -89,14 +90,14 @@ async def _load_from_store(
 ) -> dict[str, Any]:
     """One distributed load of ``ckpt``: its slabs against the local load of the same plan,
     and every GET this rank made for it."""
-    plan = distributed.rank_plan(ckpt, mode=mode)  # type: ignore[arg-type]
+    plan = rank_plan(ckpt, mode=mode)  # type: ignore[arg-type]
     since = len(proxy.matching(lambda r: True))
     loaded = await distributed.load(
         ckpt, plan, share_reads=share, options=OPTIONS, chunk_bytes=CHUNK
     )
     async with loaded:
         gets = _gets(proxy, since)
-        local_plan = distributed.rank_plan(local, mode=mode)  # type: ignore[arg-type]
+        local_plan = rank_plan(local, mode=mode)  # type: ignore[arg-type]
         async with await asyncslab.load(local, local_plan, options=OPTIONS) as reference:
             expected = _digest(reference)
         etags = {f.path.name: f.source.etag for f in ckpt.files if f.source is not None}
@@ -173,7 +174,7 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
         for share in (False, True):
             for case in ("replaced", "deleted", "cut-always", "cut-twice", "stalled"):
                 ckpt = _open(config, proxy)  # after the last case's object was put back
-                plan = distributed.rank_plan(ckpt, mode="replicated")
+                plan = rank_plan(ckpt, mode="replicated")
                 keys = {f.source.key: f.source.etag for f in ckpt.files if f.source is not None}
                 originals = {k: server.get(k) for k in keys}
                 options = OPTIONS
@@ -196,7 +197,7 @@ async def _faults(rank: int, world: int, root: Path, result: dict[str, Any]) -> 
     # Every object as it was (an Azure upload of the same bytes has another ETag).
     result["objects_back"] = all(server.get(k) == originals[k] for k in keys)
     local = Checkpoint.open(config["local"])
-    plan = distributed.rank_plan(local, mode="replicated")
+    plan = rank_plan(local, mode="replicated")
     async with await asyncslab.load(local, plan, options=OPTIONS) as reference:
         result["expected"] = _digest(reference)
 
@@ -214,7 +215,7 @@ async def _opened_apart(
     if rank == 1:
         server.put(location.key, _another_version(original))
         ckpt = _open(config, proxy)
-    plan = distributed.rank_plan(ckpt, mode="replicated")
+    plan = rank_plan(ckpt, mode="replicated")
     since = len(proxy.matching(lambda r: True))
     got = await _attempt_digest(ckpt, plan, True, OPTIONS)
     got["gets"] = len(_gets(proxy, since))
@@ -292,7 +293,7 @@ async def _deadline(rank: int, world: int, root: Path, result: dict[str, Any]) -
     config = _config(root)
     with _server(config).proxy() as proxy:
         ckpt = _open(config, proxy)
-        plan = distributed.rank_plan(ckpt, mode="replicated")
+        plan = rank_plan(ckpt, mode="replicated")
         if rank == 1:
             proxy.add(Fault("stall", _payload, after=10, times=-1))
         options = LoadOptions(coalesce_gap=0, request_size=16 << 10, read_timeout=None)
