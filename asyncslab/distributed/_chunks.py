@@ -106,33 +106,7 @@ def share_chunks(
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     world = len(ranges)
-    events: dict[int, list[tuple[int, int, int]]] = {}
-    for r, spans in enumerate(ranges):
-        for f, s, e in spans:
-            if e > s:
-                events.setdefault(f, []).extend(((s, 1, r), (e, -1, r)))
-    # (file, start, end, needers): elementary pieces, then merged per key.
-    merged: list[tuple[int, int, int, frozenset[int]]] = []
-    for f in sorted(events):
-        active = [0] * world
-        last = None
-        for pos, delta, r in sorted(events[f]):
-            if last is not None and pos > last:
-                needers = frozenset(i for i in range(world) if active[i])
-                if needers:
-                    key = _key(needers)
-                    prev = merged[-1] if merged else None
-                    if (
-                        prev is not None
-                        and prev[0] == f
-                        and _key(prev[3]) == key
-                        and last - prev[2] <= gap
-                    ):
-                        merged[-1] = (f, prev[1], pos, prev[3] | needers)
-                    else:
-                        merged.append((f, last, pos, needers))
-            active[r] += delta
-            last = pos
+    merged = _pieces(ranges, gap)
     # Pack per key (one open chunk for each rank's private bytes, one for shared bytes).
     closed: list[tuple[tuple[int, int], int, frozenset[int], list[Segment]]] = []
     open_: dict[int, tuple[tuple[int, int], frozenset[int], list[Segment], int]] = {}
@@ -171,6 +145,42 @@ def share_chunks(
             load[owner] += nbytes
         chunks.append(Chunk(owner, key < 0, tuple(sorted(needers)), nbytes, tuple(segments)))
     return chunks
+
+
+def _pieces(
+    ranges: Sequence[Sequence[tuple[int, int, int]]], gap: int
+) -> list[tuple[int, int, int, frozenset[int]]]:
+    """``(file, start, end, needers)``: the union of every rank's ranges cut into elementary
+    pieces (one set of ranks needing each), then merged per key across gaps of at most
+    ``gap``; in file and offset order."""
+    world = len(ranges)
+    events: dict[int, list[tuple[int, int, int]]] = {}
+    for r, spans in enumerate(ranges):
+        for f, s, e in spans:
+            if e > s:
+                events.setdefault(f, []).extend(((s, 1, r), (e, -1, r)))
+    merged: list[tuple[int, int, int, frozenset[int]]] = []
+    for f in sorted(events):
+        active = [0] * world
+        last = None
+        for pos, delta, r in sorted(events[f]):
+            if last is not None and pos > last:
+                needers = frozenset(i for i in range(world) if active[i])
+                if needers:
+                    key = _key(needers)
+                    prev = merged[-1] if merged else None
+                    if (
+                        prev is not None
+                        and prev[0] == f
+                        and _key(prev[3]) == key
+                        and last - prev[2] <= gap
+                    ):
+                        merged[-1] = (f, prev[1], pos, prev[3] | needers)
+                    else:
+                        merged.append((f, last, pos, needers))
+            active[r] += delta
+            last = pos
+    return merged
 
 
 def _key(needers: frozenset[int]) -> int:

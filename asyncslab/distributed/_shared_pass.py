@@ -77,9 +77,7 @@ class SharedPass:
         every rank; no chunk was exchanged then), else ``{}``."""
         side = self._side
         rank, nbuf = side.rank, BUFFERS
-        pin = torch.cuda.is_available() and (side.comm_cuda or side.slabs.device.type == "cuda")
         chunks: list[Chunk] = []
-        size = 0
         host: list[torch.Tensor] = []
         comm = host
         routes: RouteIndex | None = None
@@ -97,26 +95,8 @@ class SharedPass:
                 )
                 relevant = [c for c in chunks if c.shared or c.owner == rank]
                 size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
-                try:
-                    host[:] = [
-                        torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)
-                    ]
-                except (RuntimeError, MemoryError) as err:
-                    raise LoadError(
-                        f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
-                        f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
-                        rank=rank,
-                    ) from err
-                if side.comm_cuda:
-                    comm = [
-                        torch.empty(size, dtype=torch.uint8, device=side.comm_device)
-                        for _ in range(nbuf)
-                    ]
-                # What is held: torch pins a power of two (chunk_bytes, unless one chunk
-                # is smaller); the device buffers are as asked.
-                held = pinned_bytes(size) if pin else size
+                host, comm = self._buffers(size)
                 assert side.load is not None
-                side.load.record_staging(nbuf * (held + (size if side.comm_cuda else 0)))
                 routes = RouteIndex(side.plan, side.load.sink)
                 assert side.source is not None  # opened with the load, before the pre-flight
                 reader = ChunkReader(
@@ -167,6 +147,32 @@ class SharedPass:
                 side.in_loop(self._settle)
             except Abandoned:
                 side.loop_gone()
+
+    def _buffers(self, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The :data:`BUFFERS` staging buffers of ``size`` bytes the owner reads into (pinned
+        where a GPU takes part), and those the broadcasts go through: the same, or device
+        buffers under NCCL. What they hold is recorded as the load's staging."""
+        side, nbuf = self._side, BUFFERS
+        pin = torch.cuda.is_available() and (side.comm_cuda or side.slabs.device.type == "cuda")
+        try:
+            host = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(nbuf)]
+        except (RuntimeError, MemoryError) as err:
+            raise LoadError(
+                f"cannot allocate the staging buffers of the shared reads ({nbuf} x "
+                f"{size} bytes{', pinned' if pin else ''}): {first_line(err)}",
+                rank=side.rank,
+            ) from err
+        comm = host
+        if side.comm_cuda:
+            comm = [
+                torch.empty(size, dtype=torch.uint8, device=side.comm_device) for _ in range(nbuf)
+            ]
+        # What is held: torch pins a power of two (chunk_bytes, unless one chunk is
+        # smaller); the device buffers are as asked.
+        held = pinned_bytes(size) if pin else size
+        assert side.load is not None
+        side.load.record_staging(nbuf * (held + (size if side.comm_cuda else 0)))
+        return host, comm
 
     def _chunk(
         self,
