@@ -7,7 +7,7 @@ runs on the random initialisation of a parameter nobody loaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -58,28 +58,7 @@ def bind_module(
     views: dict[str, torch.Tensor] = {}
     problems: list[str] = []
     unbound: list[str] = []
-    # A submodule reachable under two names: both names set one slot. Mapped under one,
-    # bound under both; mapped under both to different targets, the last would have won
-    # with no word said.
-    targets: dict[str, Target | None] = {}
-    first_of: dict[tuple[int, str], str] = {}
-    aliases: dict[str, str] = {}
-    for name in [*params, *buffers]:
-        owner_name, _, leaf = name.rpartition(".")
-        place = (id(module.get_submodule(owner_name)), leaf)
-        target = lookup(name)
-        first = first_of.setdefault(place, name)
-        if first != name:
-            aliases[name] = first
-            earlier = targets[first]
-            if target is not None and earlier is not None and target != earlier:
-                problems.append(
-                    f"{name}: the same slot as {first}, which is mapped to {earlier!r}, "
-                    f"not {target!r}"
-                )
-            targets[first] = earlier if earlier is not None else target
-            continue  # bound through its first name
-        targets[name] = target
+    targets, aliases = _targets(module, [*params, *buffers], lookup, problems)
     for name, current in [*params.items(), *buffers.items()]:
         if name not in targets:  # an alias of an earlier name
             continue
@@ -121,6 +100,48 @@ def bind_module(
         raise BindError(
             f"{len(unbound)} parameters left unbound: {unbound[:10]}; map them or pass strict=False"
         )
+    _install(module, views, params.keys())
+    return views | {alias: views[first] for alias, first in aliases.items() if first in views}
+
+
+def _targets(
+    module: torch.nn.Module,
+    names: list[str],
+    lookup: Callable[[str], Target | None],
+    problems: list[str],
+) -> tuple[dict[str, Target | None], dict[str, str]]:
+    """Each slot's target under the first of its ``names``, and each later name of a slot
+    (an alias) -> that first name; two names of one slot mapped apart go to ``problems``.
+
+    A submodule reachable under two names: both names set one slot. Mapped under one,
+    bound under both; mapped under both to different targets, the last would have won
+    with no word said."""
+    targets: dict[str, Target | None] = {}
+    first_of: dict[tuple[int, str], str] = {}
+    aliases: dict[str, str] = {}
+    for name in names:
+        owner_name, _, leaf = name.rpartition(".")
+        place = (id(module.get_submodule(owner_name)), leaf)
+        target = lookup(name)
+        first = first_of.setdefault(place, name)
+        if first != name:
+            aliases[name] = first
+            earlier = targets[first]
+            if target is not None and earlier is not None and target != earlier:
+                problems.append(
+                    f"{name}: the same slot as {first}, which is mapped to {earlier!r}, "
+                    f"not {target!r}"
+                )
+            targets[first] = earlier if earlier is not None else target
+            continue  # bound through its first name
+        targets[name] = target
+    return targets, aliases
+
+
+def _install(
+    module: torch.nn.Module, views: Mapping[str, torch.Tensor], params: Collection[str]
+) -> None:
+    """Put each view in its place: a parameter (one of ``params``) or a buffer."""
     for name, view in views.items():
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
@@ -129,7 +150,6 @@ def bind_module(
             owner._parameters[leaf] = torch.nn.Parameter(view, requires_grad=False)
         else:
             owner._buffers[leaf] = view
-    return views | {alias: views[first] for alias, first in aliases.items() if first in views}
 
 
 def _resolve(

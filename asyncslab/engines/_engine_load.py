@@ -156,14 +156,7 @@ def load_into_engine(
         loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:
-        # Handed to the engine's loader as its own reader would: views of the files'
-        # mappings, or from object storage a window at a time, so that host memory stays
-        # two windows where the transformed bytes can be the whole checkpoint (one served
-        # in another dtype).
-        engine_name = {ck: name for name, ck in names.items()}
-        tensors = stream_tensors(checkpoint, list(into.transformed), options=host(options))
-        with contextlib.closing(tensors):
-            engine.load((engine_name[n], t) for n, t in tensors)
+        _transform(checkpoint, engine, into.transformed, names, options)
     finished = time.perf_counter()
     return EngineLoad(
         files=len(checkpoint.files),
@@ -182,6 +175,23 @@ def load_into_engine(
         transformed_s=finished - reads_done,
         total_s=finished - started,
     )
+
+
+def _transform(
+    checkpoint: Checkpoint,
+    engine: Engine,
+    transformed: Iterable[str],
+    names: Mapping[str, str],
+    options: LoadOptions,
+) -> None:
+    """The ``transformed`` checkpoint tensors handed to the engine's loader as its own reader
+    would: views of the files' mappings, or from object storage a window at a time, so that
+    host memory stays two windows where the transformed bytes can be the whole checkpoint
+    (one served in another dtype)."""
+    engine_name = {ck: name for name, ck in names.items()}
+    tensors = stream_tensors(checkpoint, list(transformed), options=host(options))
+    with contextlib.closing(tensors):
+        engine.load((engine_name[n], t) for n, t in tensors)
 
 
 async def _load(
