@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import inspect
 import os
 import time
@@ -177,7 +178,7 @@ class Load:
         wait for an earlier load still releasing)."""
         strategy = self.strategy
         assert strategy is not None
-        options, plan, sink = self.options, self.plan, self.sink
+        options, sink = self.options, self.sink
         device = sink.device
         # One thread per read in flight: a cold cache needs several reads in flight to keep
         # storage busy, even on a machine with fewer cores than that, and niced threads with
@@ -188,27 +189,20 @@ class Load:
         loaded = False
         try:
             await before()
-            # Planning the reads is a pass over every route of the plan: off the loop, so
-            # that a large plan does not stall it.
-            key = (strategy.name, strategy.read_size, options.coalesce_gap)
-            reads = self._read_plans.get(key)
-            if reads is None:
-                reads = await pool.run(_planned, strategy, sink, options.coalesce_gap)
-                self._read_plans[key] = reads
-            sched = reads.schedule
-            for i, shard in enumerate(plan.files):
-                if shard.source is not None:  # an object: its reads are GETs (_strategy_remote)
-                    continue
-                fds[i] = open_checked(
-                    shard.path, shard.size, shard.inode, shard.mtime_ns, shards=len(plan.files)
-                )
-            paths = [str(shard.path) for shard in plan.files]  # for errors
-            files = Files(fds, paths, [f.size for f in plan.files])
+            reads, files = await self._open(pool, fds)
             self._staging_live = True
             read_one = strategy.open(reads, files, sink)
             self.staging_budget = strategy.staging_budget
             error = await self._read_and_call_back(
-                sched, paths, read_one, pool, slabs, on_unit_ready, progress, callbacks, device
+                reads.schedule,
+                files.paths,
+                read_one,
+                pool,
+                slabs,
+                on_unit_ready,
+                progress,
+                callbacks,
+                device,
             )
             if error is not None:
                 # Raised here, not in the handler that caught the task group's errors: as
@@ -250,6 +244,28 @@ class Load:
                 _refuse_awaitable(progress(self.statistics(device)), "progress")
             except Exception as err:  # as one during the load: the load failed
                 raise self._failed(err) from err
+
+    async def _open(self, pool: IoPool, fds: dict[int, int]) -> tuple[Reads, Files]:
+        """The plan's reads for this transfer (planned once per read size and gap) and its
+        local files, opened and checked; each fd goes into ``fds`` as it opens, for the
+        caller to close whatever happens."""
+        strategy, options, plan = self.strategy, self.options, self.plan
+        assert strategy is not None
+        # Planning the reads is a pass over every route of the plan: off the loop, so
+        # that a large plan does not stall it.
+        key = (strategy.name, strategy.read_size, options.coalesce_gap)
+        reads = self._read_plans.get(key)
+        if reads is None:
+            reads = await pool.run(_planned, strategy, self.sink, options.coalesce_gap)
+            self._read_plans[key] = reads
+        for i, shard in enumerate(plan.files):
+            if shard.source is not None:  # an object: its reads are GETs (_strategy_remote)
+                continue
+            fds[i] = open_checked(
+                shard.path, shard.size, shard.inode, shard.mtime_ns, shards=len(plan.files)
+            )
+        paths = [str(shard.path) for shard in plan.files]  # for errors
+        return reads, Files(fds, paths, [f.size for f in plan.files])
 
     def _failed(self, err: Exception) -> LoadError:
         """Fail the load with ``err`` wrapped. (Not a local of the frame raising it: that
@@ -394,23 +410,7 @@ class Load:
             except Exception as err:  # a landing or progress-callback error ends the load
                 fail(err)
 
-        def drive(worker: int) -> None:  # on an I/O thread
-            try:
-                while (index := feed.take(worker)) is not None:
-                    n = read_one(worker, index)
-                    feed.finished(worker)
-                    # Queued before this thread's own completion: every read a thread
-                    # finished has landed by the time its drive() is seen to return.
-                    loop.call_soon_threadsafe(landed, index, n)
-                    # Give up the core between reads: with every core busy reading, a
-                    # waking event loop would otherwise wait for one until a thread's time
-                    # slice ends; the yield costs no load time (figures in
-                    # docs/performance.md; test_io_threads_give_up_the_core_after_every_read).
-                    _yield()
-            except BaseException:
-                feed.stop()
-                raise
-
+        drive = functools.partial(_drive, feed, read_one, loop, landed)  # per I/O thread
         try:
             try:
                 async with asyncio.TaskGroup() as tg:
@@ -435,6 +435,32 @@ class Load:
             # with the error, which holds the destination.
             tg = drives = me = None  # type: ignore[assignment]
             broken.clear()
+
+
+def _drive(
+    feed: ReadFeed,
+    read_one: ReadOne,
+    loop: asyncio.AbstractEventLoop,
+    landed: Callable[[int, int], None],
+    worker: int,
+) -> None:
+    """I/O thread ``worker`` of :meth:`Load._read_all`: takes the next read, reads it and
+    reports it to ``landed`` on the loop, until the feed has none left or stops."""
+    try:
+        while (index := feed.take(worker)) is not None:
+            n = read_one(worker, index)
+            feed.finished(worker)
+            # Queued before this thread's own completion: every read a thread finished has
+            # landed by the time its _drive() is seen to return.
+            loop.call_soon_threadsafe(landed, index, n)
+            # Give up the core between reads: with every core busy reading, a waking event
+            # loop would otherwise wait for one until a thread's time slice ends; the yield
+            # costs no load time (figures in docs/performance.md;
+            # test_io_threads_give_up_the_core_after_every_read).
+            _yield()
+    except BaseException:
+        feed.stop()
+        raise
 
 
 def _planned(strategy: TransferStrategy, sink: Sink, gap: int) -> Reads:

@@ -101,33 +101,14 @@ class SlabSet:
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._clock = clock
-        if device is None:
-            device = _device_of(tensors) if tensors else "cpu"
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {self.device} is not supported (cpu or cuda)")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise LoadError(f"device {self.device} requested, but CUDA is not available")
-        if self.device.type == "cuda" and self.device.index is None:
-            # "cuda" means the current device when the slabs are made; pinned here, as the
-            # copies run on I/O threads, whose current device is device 0 (on several GPUs
-            # their streams, events and registrations would be on the wrong one;
-            # test_cuda_device_without_an_index_is_the_current_one).
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = _device(device, tensors)
         self.plan = plan
-        self._tensors: dict[str, torch.Tensor] = {}
-        # The given tensors' bytes, per slab; None where the slabs are views of one
-        # allocation of asyncslab's own.
-        self._given: dict[str, torch.Tensor] | None = None
-        if tensors is not None:
-            # An engine's own tensors (its parameters, or views of them): written in place,
-            # never reallocated; the SlabSet gates access to them as to its own slabs.
-            self._given = _given_bytes(plan, tensors, self.device)
-            self._tensors.update(tensors)
-            self._offset = dict.fromkeys(plan.slabs, 0)
-            self._backing = torch.empty(0, dtype=torch.uint8, device=self.device)
-        else:
-            self._offset, self._backing = _allocate(plan, self.device)
+        # The slab tensors made so far; the given tensors' bytes, per slab (None where the
+        # slabs are views of one allocation of asyncslab's own); each slab's offset in the
+        # backing.
+        self._tensors, self._given, self._offset, self._backing = _memory(
+            plan, tensors, self.device
+        )
         self._health = Health()
         self._adopt(plan)
         self._load = self._idle()
@@ -210,13 +191,13 @@ class SlabSet:
             while True:
                 for u in units:
                     if self._load.state != "loading":
-                        self._check_ended(u)
+                        _check_ended(self._load, u)
                     await self._tracker.wait(u)
                 if unit is not None:
                     return
                 task = self._task
                 if task is None or task.done():
-                    self._check_ended(None)
+                    _check_ended(self._load, None)
                     return
                 await asyncio.wait([task])
                 # Its caller may have reset the slabs, or started another load, before this
@@ -224,22 +205,6 @@ class SlabSet:
                 self._settle()
         except IncompleteLoadError as err:
             self._delivered(err.__cause__)
-            raise
-
-    def _check_ended(self, unit: str | None) -> None:
-        """Outside a load: ``unit`` (or, for None, the last load) is complete, else
-        :class:`IncompleteLoadError`, caused by the last load's error if it broke."""
-        last = self._load
-        error = self._tracker.error if last.state in ("failed", "cancelled") else None
-        try:
-            if unit is not None:
-                self._tracker.check(unit)
-            elif error is not None:
-                how = "failed" if last.state == "failed" else "was cancelled"
-                raise IncompleteLoadError(f"the load {how} after its units landed: {last.error}")
-        except IncompleteLoadError as err:
-            if error is not None:
-                raise err from error
             raise
 
     def statistics(self) -> LoadStatistics:
@@ -466,20 +431,7 @@ class SlabSet:
             raise LoadError(f"these slabs cannot be reused: {self._health.broken}")
         if self._load.state == "loading":
             raise LoadError("a load into these slabs is already running")
-        plan = plan or self.plan
-        if plan is not self.plan and plan.layout_fingerprint != self.plan.layout_fingerprint:
-            raise PlanError(
-                "plan's slab layout differs from the one these slabs were allocated for "
-                f"({plan.layout_fingerprint} vs {self.plan.layout_fingerprint})"
-            )
-        planned = [(f.path, f.size) for f in plan.files]
-        given = [(f.path, f.size) for f in checkpoint.files]
-        if planned != given:
-            raise PlanError(
-                "the plan was made for other files than this checkpoint's; plan it with "
-                "asyncslab.plan(checkpoint) and pass plan="
-            )
-        check_files(plan)
+        plan = _plan_for(checkpoint, plan or self.plan, self.plan)
         strategy = None if shared else choose(options, self.device, objects=reads_objects(plan))
         if plan is not self._run_plan:
             self._adopt(plan)
@@ -514,6 +466,78 @@ class SlabSet:
         await self._after_earlier_loads()
         if self._health.broken is not None:  # found by the previous load's release
             raise LoadError(f"these slabs cannot be reused: {self._health.broken}")
+
+
+def _check_ended(last: Load, unit: str | None) -> None:
+    """Outside a load: ``unit`` (or, for None, the ``last`` load) is complete, else
+    :class:`IncompleteLoadError`, caused by the last load's error if it broke."""
+    tracker = last.tracker
+    error = tracker.error if last.state in ("failed", "cancelled") else None
+    try:
+        if unit is not None:
+            tracker.check(unit)
+        elif error is not None:
+            how = "failed" if last.state == "failed" else "was cancelled"
+            raise IncompleteLoadError(f"the load {how} after its units landed: {last.error}")
+    except IncompleteLoadError as err:
+        if error is not None:
+            raise err from error
+        raise
+
+
+def _plan_for(checkpoint: Checkpoint, plan: Plan, own: Plan) -> Plan:
+    """``plan``, checked for a load of ``checkpoint`` into slabs allocated for ``own``: the
+    same slab layout, the checkpoint's files as planned."""
+    if plan is not own and plan.layout_fingerprint != own.layout_fingerprint:
+        raise PlanError(
+            "plan's slab layout differs from the one these slabs were allocated for "
+            f"({plan.layout_fingerprint} vs {own.layout_fingerprint})"
+        )
+    planned = [(f.path, f.size) for f in plan.files]
+    given = [(f.path, f.size) for f in checkpoint.files]
+    if planned != given:
+        raise PlanError(
+            "the plan was made for other files than this checkpoint's; plan it with "
+            "asyncslab.plan(checkpoint) and pass plan="
+        )
+    check_files(plan)
+    return plan
+
+
+def _device(
+    device: str | torch.device | None, tensors: Mapping[str, torch.Tensor] | None
+) -> torch.device:
+    """The device the slabs go on: ``device``, else the given tensors', else the CPU."""
+    if device is None:
+        device = _device_of(tensors) if tensors else "cpu"
+    chosen = torch.device(device)
+    if chosen.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {chosen} is not supported (cpu or cuda)")
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise LoadError(f"device {chosen} requested, but CUDA is not available")
+    if chosen.type == "cuda" and chosen.index is None:
+        # "cuda" means the current device when the slabs are made; pinned here, as the
+        # copies run on I/O threads, whose current device is device 0 (on several GPUs
+        # their streams, events and registrations would be on the wrong one;
+        # test_cuda_device_without_an_index_is_the_current_one).
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    return chosen
+
+
+def _memory(
+    plan: Plan, tensors: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None, dict[str, int], torch.Tensor]:
+    """The slabs' memory, as :class:`SlabSet` keeps it: the slab tensors made so far, the
+    given tensors' bytes per slab (``None`` for an allocation of asyncslab's own), each
+    slab's offset in the backing, and the backing."""
+    if tensors is None:
+        offsets, backing = _allocate(plan, device)
+        return {}, None, offsets, backing
+    # An engine's own tensors (its parameters, or views of them): written in place, never
+    # reallocated; the SlabSet gates access to them as to its own slabs.
+    given = _given_bytes(plan, tensors, device)
+    empty = torch.empty(0, dtype=torch.uint8, device=device)
+    return dict(tensors), given, dict.fromkeys(plan.slabs, 0), empty
 
 
 def slab_layout(plan: Plan, device: torch.device) -> tuple[dict[str, int], int, list[str]]:
