@@ -5,9 +5,9 @@ Internal. What other stages use is imported from here, never from the private mo
 the public names are re-exported by ``asyncslab`` and its public modules."""
 
 from ._moe import EXL3_EXPERT_PATTERN as EXL3_EXPERT_PATTERN
-from ._moe import ExpertPartition as ExpertPartition
 from ._moe import TieredMoE as TieredMoE
-from ._moe import load_tier_map as load_tier_map
+from ._partition import ExpertPartition as ExpertPartition
+from ._partition import load_tier_map as load_tier_map
 from ._plan import Plan as Plan
 from ._plan import plan as plan
 from ._routes import RouteTable as RouteTable

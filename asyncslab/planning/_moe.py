@@ -1,23 +1,23 @@
-"""Mixture-of-experts planning: exact expert partitions and the tiered expert rule.
+"""Mixture-of-experts planning: the tiered expert rule.
 
 Experts quantized at different bit rates ("tiers") cannot share one slab, so each layer's
 experts are partitioned into groups, one slab per (group, fused projection, suffix), laid out
 ``backing[shard_index, group_offset]``. The partition is exact — every expert exactly once,
 nothing unknown — and an expert's offset is its rank inside its group, so the layout is a
-pure function of the partition.
+pure function of the partition (:mod:`._partition`: the partition, and the tier map it is
+checked against). Here: the rule that finds a layer's expert tensors and plans their slabs,
+by a general path and a columnar one for the common case.
 """
 
 from __future__ import annotations
 
 import array
 import itertools
-import json
 import operator
 import re
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from numbers import Integral
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple, cast
@@ -36,9 +36,9 @@ from ..errors import (
     DtypeMismatchError,
     PartitionError,
     PlanError,
-    TierMapError,
     UnmatchedTensorError,
 )
+from ._partition import ExpertPartition, TierRule, listing, load_tier_map
 from ._routes import RouteTable, numbers_of
 from ._vocabulary import (
     FILE,
@@ -53,86 +53,7 @@ from ._vocabulary import (
     mode_shape,
 )
 
-__all__ = ["ExpertPartition", "TieredMoE", "load_tier_map", "EXL3_EXPERT_PATTERN"]
-
-
-def _listing(items: Iterable[object], limit: int = 10) -> str:
-    items = list(items)
-    shown = ", ".join(str(i) for i in items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertPartition:
-    """An exact partition of expert ids into named groups, in group order.
-
-    ``locate(expert) == (group, offset)`` with offset the rank of the id inside its group,
-    so two processes that agree on the partition agree on every slot.
-    """
-
-    groups: Mapping[str, tuple[int, ...]]
-    _where: Mapping[int, tuple[str, int]] = field(compare=False, repr=False, default_factory=dict)
-
-    def __init__(
-        self, groups: Mapping[str, Iterable[int]], experts: Iterable[int] | None = None
-    ) -> None:
-        normalized = {name: tuple(sorted(ids)) for name, ids in groups.items()}
-        where: dict[int, tuple[str, int]] = {}
-        duplicated: dict[int, list[str]] = defaultdict(list)
-        for name, ids in normalized.items():
-            if len(set(ids)) != len(ids):
-                for e in sorted({e for e in ids if ids.count(e) > 1}):
-                    duplicated[e].append(name)
-            for offset, expert in enumerate(ids):
-                if expert in where and where[expert][0] != name:
-                    duplicated[expert].extend([where[expert][0], name])
-                where.setdefault(expert, (name, offset))
-        problems = []
-        if duplicated:
-            places = (f"{e} ({', '.join(dict.fromkeys(g))})" for e, g in sorted(duplicated.items()))
-            problems.append("experts in more than one place: " + _listing(places))
-        if experts is not None:
-            universe = set(experts)
-            missing = sorted(universe - where.keys())
-            unknown = sorted(where.keys() - universe)
-            if missing:
-                problems.append(f"experts in no group: {_listing(missing)}")
-            if unknown:
-                problems.append(f"unknown experts: {_listing(unknown)}")
-        if problems:
-            raise PartitionError("not an exact partition: " + "; ".join(problems))
-        object.__setattr__(self, "groups", MappingProxyType(normalized))
-        object.__setattr__(self, "_where", MappingProxyType(where))
-
-    @classmethod
-    def from_assignment(
-        cls,
-        assignment: Mapping[int, str],
-        experts: Iterable[int] | None = None,
-        order: Iterable[str] | None = None,
-    ) -> ExpertPartition:
-        """From ``expert -> group``; groups in ``order`` (default: sorted names)."""
-        groups: dict[str, list[int]] = defaultdict(list)
-        for expert, group in assignment.items():
-            groups[group].append(expert)
-        names = list(order) if order is not None else sorted(groups)
-        extra = set(groups) - set(names)
-        if extra:
-            raise PartitionError(f"groups {sorted(extra)} are not in the given order {names}")
-        return cls({name: groups.get(name, ()) for name in names}, experts)
-
-    def locate(self, expert: int) -> tuple[str, int]:
-        try:
-            return self._where[expert]
-        except KeyError:
-            raise PartitionError(f"expert {expert} is in no group") from None
-
-    @property
-    def experts(self) -> tuple[int, ...]:
-        return tuple(sorted(self._where))
-
-    def sizes(self) -> dict[str, int]:
-        return {name: len(ids) for name, ids in self.groups.items()}
+__all__ = ["TieredMoE", "EXL3_EXPERT_PATTERN"]
 
 
 #: ``model.layers.L.mlp.experts.E.<proj>[.rank<r>].<suffix>``
@@ -171,13 +92,6 @@ class _Expert(NamedTuple):  # a tuple: one per expert tensor, built at C speed
     rank: int | None
     suffix: str
     prefix: str
-
-
-def _span(experts: list[int]) -> str:
-    """``0..7`` for a run, else the first few."""
-    if experts and experts == list(range(experts[0], experts[-1] + 1)):
-        return f"{experts[0]}..{experts[-1]}"
-    return ", ".join(map(str, experts[:8])) + (" ..." if len(experts) > 8 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,9 +168,12 @@ class TieredMoE:
             # as characters, a path declared layers '.', '/', 'a'...
             object.__setattr__(self, "tier_map", load_tier_map(self.tier_map))
 
-    @property
-    def _tiers(self) -> Mapping[int, Mapping[int, int]] | None:
-        return cast("Mapping[int, Mapping[int, int]] | None", self.tier_map)  # see above
+    def _tier_rule(self) -> TierRule:
+        """What this rule declares of the tiers, with the checks that hold a layer to it."""
+        tiers = cast("Mapping[int, Mapping[int, int]] | None", self.tier_map)  # see above
+        return TierRule(
+            tiers, self.n_experts, self.owns, self.tier_suffix, self.tier_of, self.group_name
+        )
 
     def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
         regex = re.compile(self.pattern)
@@ -269,46 +186,14 @@ class TieredMoE:
             for f, projs in self.fusion.items()
             for i, p in enumerate(projs)
         }
+        tier_rule = self._tier_rule()
         numbers = numbers_of(checkpoint, pending)
         if numbers is not None and self.owns is None and self.rank is None:
-            fast = _Columnar(self, checkpoint.table, regex, shard_of).claim(numbers)
+            fast = _Columnar(self, tier_rule, checkpoint.table, regex, shard_of).claim(numbers)
             if fast is not None:
                 return fast
-        by_layer: dict[int, list[_Expert]] = defaultdict(list)
-        sliced = "rank" in regex.groupindex
-        for name, info in pending.items():
-            m = regex.fullmatch(name)
-            if m is None:
-                continue
-            proj, suffix, layer_id, expert_id, prefix = m.group(
-                "proj", "suffix", "layer", "expert", "prefix"
-            )
-            if proj not in shard_of or (suffix not in self.schema and suffix not in self.markers):
-                what = f"projection {proj!r}" if proj not in shard_of else f"suffix {suffix!r}"
-                raise UnmatchedTensorError(
-                    f"expert tensor with unknown {what}; projections: {sorted(shard_of)}, "
-                    f"placed suffixes: {sorted(self.schema)}, markers: {sorted(self.markers)}",
-                    file=info.file,
-                    tensor=name,
-                )
-            rank = m.group("rank") if sliced else None
-            if len(layer_id) < 10 and len(expert_id) < 10:  # the common case, inline
-                layer, expert = int(layer_id), int(expert_id)
-            else:
-                layer = index_number(layer_id, "layer", info)
-                expert = index_number(expert_id, "expert", info)
-            by_layer[layer].append(
-                _Expert(
-                    info,
-                    layer,
-                    expert,
-                    proj,
-                    index_number(rank, "rank", info) if rank is not None else None,
-                    suffix,
-                    prefix,
-                )
-            )
-        self._check_declared_layers(by_layer.keys())
+        by_layer = _experts_by_layer(self, pending, regex, shard_of)
+        tier_rule.check_declared_layers(by_layer.keys())
 
         skipped: list[str] = []
         own = self._select_rank(by_layer, skipped)
@@ -337,7 +222,7 @@ class TieredMoE:
             if not own[layer]:  # an expert-parallel rank that owns none of this layer
                 continue
             partition, layer_slabs, layer_routes = self._plan_layer(
-                layer, own[layer], checked, extent[layer], shard_of
+                layer, own[layer], checked, extent[layer], shard_of, tier_rule
             )
             partitions[layer] = partition
             slabs.extend(layer_slabs)
@@ -350,15 +235,6 @@ class TieredMoE:
             skipped=tuple(skipped),
             extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
         )
-
-    def _check_declared_layers(self, layers: Collection[int]) -> None:
-        if self._tiers is not None:
-            extra_layers = sorted(set(self._tiers) - set(layers))
-            if extra_layers:
-                raise TierMapError(
-                    f"tier map declares layers {_listing(extra_layers)}, which have no experts "
-                    "in the checkpoint"
-                )
 
     def _select_rank(
         self, by_layer: Mapping[int, list[_Expert]], skipped: list[str]
@@ -396,7 +272,7 @@ class TieredMoE:
                 missing = sorted(set(range(n_ranks)) - got)
                 raise CoverageError(
                     f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
-                    f"{_listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
+                    f"{listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
                     layer=layer,
                     expert=expert,
                     missing_ranks=missing,
@@ -407,91 +283,6 @@ class TieredMoE:
             skipped.extend(t.info.name for t in items if t.rank != self.rank)
         return own
 
-    def _universe(self, layer: int, base: Iterable[int]) -> list[int]:
-        return [e for e in base if self.owns is None or self.owns(layer, e)]
-
-    def _partition(self, layer: int, items: list[_Expert], extent: int) -> ExpertPartition:
-        seen = sorted({t.expert for t in items})
-        observed: dict[int, dict[int, list[TensorInfo]]] = defaultdict(lambda: defaultdict(list))
-        if self.tier_suffix is None:
-            universe = self._universe(layer, range(self.n_experts or extent))
-            try:
-                return ExpertPartition({"all": seen}, universe)
-            except PartitionError as err:
-                raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
-        for t in items:
-            if t.suffix == self.tier_suffix:
-                observed[t.expert][self.tier_of(t.info.shape)].append(t.info)
-        no_tier = [e for e in seen if e not in observed]
-        if no_tier:
-            raise CoverageError(
-                f"layer {layer}: experts {_listing(no_tier)} have no {self.tier_suffix!r} "
-                "tensor, so their tier is unknown",
-                layer=layer,
-                experts=no_tier,
-            )
-        for expert, by_bits in observed.items():
-            if len(by_bits) > 1:
-                detail = "; ".join(
-                    f"{infos[0].name} says {bits}" for bits, infos in sorted(by_bits.items())
-                )
-                raise TierMapError(
-                    f"layer {layer} expert {expert}: projections disagree on the tier ({detail})",
-                    layer=layer,
-                    expert=expert,
-                )
-        bits_of = {e: next(iter(b)) for e, b in observed.items()}
-        return self._partition_of(layer, bits_of, extent, lambda e, bits: observed[e][bits][0].name)
-
-    def _partition_of(
-        self,
-        layer: int,
-        bits_of: Mapping[int, int],
-        extent: int,
-        first_name: Callable[[int, int], str],
-    ) -> ExpertPartition:
-        """The partition of a layer whose experts have the tiers ``bits_of``, checked against
-        the tier map; ``first_name(expert, bits)`` names a tensor that shows the tier."""
-        if self._tiers is not None:
-            declared = self._tiers.get(layer)
-            if declared is None:
-                raise TierMapError(f"tier map has no entry for MoE layer {layer}", layer=layer)
-            if self.n_experts is not None and set(declared) != set(range(self.n_experts)):
-                raise TierMapError(
-                    f"layer {layer}: the tier map declares experts "
-                    f"{_span(sorted(declared))}, n_experts={self.n_experts} says "
-                    f"0..{self.n_experts - 1}",
-                    layer=layer,
-                )
-            universe = self._universe(layer, declared.keys())
-            wrong = [
-                (e, declared[e], bits, first_name(e, bits))
-                for e, bits in sorted(bits_of.items())
-                if e in declared and declared[e] != bits
-            ]
-            if wrong:
-                e, want, got, name = wrong[0]
-                raise TierMapError(
-                    f"layer {layer}: tier map declares {len(wrong)} experts at other bit rates "
-                    f"than their {self.tier_suffix} shapes; first: expert {e} declared {want}, "
-                    f"shape says {got}",
-                    tensor=name,
-                    layer=layer,
-                    expert=e,
-                    expected=want,
-                    got=got,
-                )
-        else:
-            universe = self._universe(layer, range(self.n_experts or extent))
-        try:
-            return ExpertPartition.from_assignment(
-                {e: self.group_name(b) for e, b in bits_of.items()},
-                universe,
-                order=[self.group_name(b) for b in sorted(set(bits_of.values()))],
-            )
-        except PartitionError as err:
-            raise PartitionError(f"layer {layer}: {err.message}", layer=layer) from None
-
     def _plan_layer(
         self,
         layer: int,
@@ -499,6 +290,7 @@ class TieredMoE:
         checked: list[str],
         extent: int,
         shard_of: Mapping[str, tuple[str, int, bool]],
+        tier_rule: TierRule,
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
         prefixes = sorted({t.prefix for t in items})
         if len(prefixes) > 1:
@@ -513,7 +305,7 @@ class TieredMoE:
                 tensor=other.info.name,
                 layer=layer,
             )
-        partition = self._partition(layer, items, extent)
+        partition = tier_rule.partition(layer, items, extent)
         prefix = items[0].prefix
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
         placed = defaultdict(list)
@@ -557,7 +349,7 @@ class TieredMoE:
         ]
         if missing:
             raise CoverageError(
-                f"layer {layer}: {len(missing)} expert tensors missing: {_listing(missing, 5)}",
+                f"layer {layer}: {len(missing)} expert tensors missing: {listing(missing, 5)}",
                 layer=layer,
                 missing=missing,
             )
@@ -627,6 +419,51 @@ class TieredMoE:
         return slabs, frozen_columns(Route, len(columns["tensor"]), columns, {})
 
 
+def _experts_by_layer(
+    rule: TieredMoE,
+    pending: Mapping[str, TensorInfo],
+    regex: re.Pattern[str],
+    shard_of: Mapping[str, tuple[str, int, bool]],
+) -> dict[int, list[_Expert]]:
+    """The general path's first step: each pending tensor the pattern matches, by layer
+    (an unknown projection or suffix refused), in one loop over the names."""
+    by_layer: dict[int, list[_Expert]] = defaultdict(list)
+    sliced = "rank" in regex.groupindex
+    for name, info in pending.items():
+        m = regex.fullmatch(name)
+        if m is None:
+            continue
+        proj, suffix, layer_id, expert_id, prefix = m.group(
+            "proj", "suffix", "layer", "expert", "prefix"
+        )
+        if proj not in shard_of or (suffix not in rule.schema and suffix not in rule.markers):
+            what = f"projection {proj!r}" if proj not in shard_of else f"suffix {suffix!r}"
+            raise UnmatchedTensorError(
+                f"expert tensor with unknown {what}; projections: {sorted(shard_of)}, "
+                f"placed suffixes: {sorted(rule.schema)}, markers: {sorted(rule.markers)}",
+                file=info.file,
+                tensor=name,
+            )
+        rank = m.group("rank") if sliced else None
+        if len(layer_id) < 10 and len(expert_id) < 10:  # the common case, inline
+            layer, expert = int(layer_id), int(expert_id)
+        else:
+            layer = index_number(layer_id, "layer", info)
+            expert = index_number(expert_id, "expert", info)
+        by_layer[layer].append(
+            _Expert(
+                info,
+                layer,
+                expert,
+                proj,
+                index_number(rank, "rank", info) if rank is not None else None,
+                suffix,
+                prefix,
+            )
+        )
+    return by_layer
+
+
 class _Columnar:
     """:meth:`TieredMoE.claim` a column at a time, for the common case: the planner's
     pending tensors, no rank slices, no expert ownership.
@@ -642,11 +479,13 @@ class _Columnar:
     def __init__(
         self,
         rule: TieredMoE,
+        tiers: TierRule,
         table: TensorTable,
         regex: re.Pattern[str],
         shard_of: Mapping[str, tuple[str, int, bool]],
     ) -> None:
-        self.rule, self.table, self.regex, self.shard_of = rule, table, regex, shard_of
+        self.rule, self.tiers, self.table = rule, tiers, table
+        self.regex, self.shard_of = regex, shard_of
 
     def claim(self, numbers: Mapping[str, int]) -> Claim | None:
         rule, table = self.rule, self.table
@@ -667,7 +506,7 @@ class _Columnar:
         layers = list(map(value.__getitem__, layer_texts))
         experts = list(map(value.__getitem__, expert_texts))
         tensor = list(map(numbers.__getitem__, names))
-        rule._check_declared_layers(set(layers))
+        self.tiers.check_declared_layers(set(layers))
         by_layer = _positions_by_layer(layers)
         extent: dict[int, int] = {}
         for layer, at in by_layer.items():
@@ -830,7 +669,7 @@ class _Columnar:
             pairs = zip(tier_experts, tier_bits, tier_names, strict=True)
             return next(n for e, b, n in pairs if (e, b) == (expert, bits))
 
-        return rule._partition_of(layer, bits_of, extent, first_name)
+        return self.tiers.partition_of(layer, bits_of, extent, first_name)
 
     def _slots(
         self, partition: ExpertPartition, experts: list[int], projs: list[str], suffixes: list[str]
@@ -952,58 +791,3 @@ def _positions_by_layer(layers: list[int]) -> dict[int, range | list[int]]:
     for position, layer in enumerate(layers):
         found[layer].append(position)
     return dict(found)
-
-
-def _tier_key(key: Any, what: str) -> int:
-    """A layer or expert number: an integer, or its decimal digits as JSON keys are (1.7 or
-    True would silently become 1)."""
-    if isinstance(key, str) and key.isascii() and key.isdecimal():
-        return int(key)
-    if isinstance(key, bool) or not isinstance(key, Integral):
-        raise TypeError(f"{what} {key!r} is not a number")
-    return int(key)
-
-
-def _put(entry: dict[int, Any], key: int, value: Any, what: str) -> None:
-    if key in entry:  # "1" and "01", or 1 and "1": one would silently win
-        raise ValueError(f"{what} {key} is given twice")
-    entry[key] = value
-
-
-def load_tier_map(source: str | Path | Mapping[Any, Any]) -> dict[int, dict[int, int]]:
-    """Read a declared tier map: ``{"<layer>": {"<expert>": bits}}`` or
-    ``{"<layer>": [bits of expert 0, 1, ...]}``, optionally under a top-level ``"layers"``."""
-    where = str(source) if isinstance(source, (str, Path)) else "<tier map>"
-    if isinstance(source, (str, Path)):
-        try:
-            raw: Any = json.loads(Path(source).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise TierMapError(f"cannot read tier map: {err}", file=where) from err
-    else:
-        raw = source
-    if isinstance(raw, Mapping) and isinstance(raw.get("layers"), Mapping):
-        raw = raw["layers"]
-    if not isinstance(raw, Mapping):
-        raise TierMapError("tier map must be a JSON object of layers", file=where)
-    result: dict[int, dict[int, int]] = {}
-    try:
-        for layer, experts in raw.items():
-            if hasattr(experts, "tolist"):  # a NumPy array (or a tensor) of bits per expert
-                experts = experts.tolist()
-            if isinstance(experts, list | tuple):
-                pairs: Iterable[tuple[Any, Any]] = enumerate(experts)
-            elif isinstance(experts, Mapping):
-                pairs = experts.items()
-            else:
-                raise TypeError(f"layer {layer}: expected an object or a list")
-            entry: dict[int, int] = {}
-            for expert, bits in pairs:
-                # Any integer (a NumPy one too), not a bool or a float.
-                if isinstance(bits, bool) or not isinstance(bits, Integral) or bits <= 0:
-                    raise TypeError(f"layer {layer} expert {expert}: bits must be a positive int")
-                what = f"layer {layer}: expert"
-                _put(entry, _tier_key(expert, what), int(bits), what)
-            _put(result, _tier_key(layer, "layer"), entry, "layer")
-    except (TypeError, ValueError) as err:
-        raise TierMapError(f"malformed tier map: {err}", file=where) from None
-    return result

@@ -266,7 +266,8 @@ def default_rules(
     rank: int | None = None,
 ) -> list[Rule]:
     """Tiered MoE experts (EXL3-like naming), then one slab per remaining tensor."""
-    from ._moe import TieredMoE, load_tier_map
+    from ._moe import TieredMoE
+    from ._partition import load_tier_map
 
     # Mappings too: JSON-loaded maps have string keys, and the list form needs expanding.
     declared = load_tier_map(tier_map) if tier_map is not None else None
