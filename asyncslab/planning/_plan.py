@@ -213,15 +213,7 @@ def _plan(
     extras: dict[str, Any] = {}
     for rule in rules:
         claim = rule.claim(checkpoint, pending)
-        specs = tuple(claim.slabs)  # read twice below: a rule may have given an iterator
-        named = dict(zip(map(NAME, specs), specs, strict=True))
-        if len(named) != len(specs) or not slabs.keys().isdisjoint(named):
-            seen = set(slabs)
-            for spec in specs:
-                if spec.name in seen:
-                    raise CoverageError(f"two rules define slab {spec.name!r}")
-                seen.add(spec.name)
-        slabs.update(named)
+        slabs.update(_new_slabs(slabs, claim.slabs))
         claimed = claim.routes
         if isinstance(claimed, RouteTable) and claimed.tensors is not table:
             claimed = tuple(claimed)  # a table over another checkpoint: its routes' names
@@ -249,17 +241,7 @@ def _plan(
 
     if at:
         if unmatched == "error":
-            names = sorted(at)
-            shown = ", ".join(repr(n) for n in names[:5])
-            more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-            first = pending[names[0]]
-            raise UnmatchedTensorError(
-                f"{len(names)} tensors match no rule: {shown}{more}; add a rule, list them "
-                "in ignore=, or pass unmatched='ignore'",
-                file=first.file,
-                tensor=first.name,
-                tensors=names,
-            )
+            raise _unmatched(sorted(at), pending)
         skipped.extend(at)
 
     routes, index = _checked_routes(checkpoint, slabs, parts)
@@ -275,6 +257,33 @@ def _plan(
         files=checkpoint.files,
         extras=MappingProxyType(extras),
         _index=index,
+    )
+
+
+def _new_slabs(slabs: Mapping[str, SlabSpec], claimed: Iterable[SlabSpec]) -> dict[str, SlabSpec]:
+    """A claim's slabs by name, none defined twice by it or already by an earlier rule."""
+    specs = tuple(claimed)  # read twice below: a rule may have given an iterator
+    named = dict(zip(map(NAME, specs), specs, strict=True))
+    if len(named) != len(specs) or not slabs.keys().isdisjoint(named):
+        seen = set(slabs)
+        for spec in specs:
+            if spec.name in seen:
+                raise CoverageError(f"two rules define slab {spec.name!r}")
+            seen.add(spec.name)
+    return named
+
+
+def _unmatched(names: list[str], pending: Mapping[str, TensorInfo]) -> UnmatchedTensorError:
+    """The error for tensors no rule claimed (``names``, sorted), the first one named."""
+    shown = ", ".join(repr(n) for n in names[:5])
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    first = pending[names[0]]
+    return UnmatchedTensorError(
+        f"{len(names)} tensors match no rule: {shown}{more}; add a rule, list them "
+        "in ignore=, or pass unmatched='ignore'",
+        file=first.file,
+        tensor=first.name,
+        tensors=names,
     )
 
 
@@ -554,18 +563,7 @@ def _validate(
             raise PlanError(f"routes into undefined slab {route.slab!r}", tensor=route.tensor)
         info = tensors[route.tensor]
         if info.dtype != spec.dtype:
-            expected = safetensors_dtype(spec.dtype)
-            raise DtypeMismatchError(
-                f"dtype {info.st_dtype}, plan expects {expected} ({route.describe()}); "
-                "asyncslab never casts",
-                file=info.file,
-                tensor=info.name,
-                expected=expected,
-                got=info.st_dtype,
-                layer=route.layer,
-                expert=route.expert,
-                shard=route.shard,
-            )
+            raise _dtype_error(route, info, spec)
         shape = route.shape if route.shape is not None else info.shape
         nbytes = slot_nbytes.get(spec.name)
         if nbytes is None:
@@ -584,23 +582,7 @@ def _validate(
                 shard=route.shard,
             )
         if not _reads_its_tensor(route, info):
-            end = route.src_offset + route.nbytes
-            what = (
-                "its bytes"
-                if route.shape is None
-                else "a run of its elements"
-                if len(route.shape) == 1
-                else "whole rows of it"
-            )
-            raise PlanError(
-                f"reads bytes [{route.src_offset}, {end}) of {route.file}, not {what}: the "
-                f"tensor lies at [{info.offset}, {info.offset + info.nbytes}) of {info.file} "
-                f"({route.describe()}; make routes with make_route)",
-                file=info.file,
-                tensor=info.name,
-                expected=(info.offset, info.offset + info.nbytes),
-                got=(route.src_offset, end),
-            )
+            raise _read_error(route, info)
         # The loader writes at the route's byte offset, not its slot: a custom rule's route
         # whose offset disagrees with its slot, or whose slot lies outside the slab, would
         # write outside its slot, or outside the slabs.
@@ -634,6 +616,50 @@ def _validate(
                 slot=route.slot,
             )
         filled[route.slab][route.slot] = route
+    _check_filled(slabs, filled)
+
+
+def _dtype_error(route: Route, info: TensorInfo, spec: SlabSpec) -> DtypeMismatchError:
+    """The error for a route whose tensor's dtype is not its slab's."""
+    expected = safetensors_dtype(spec.dtype)
+    return DtypeMismatchError(
+        f"dtype {info.st_dtype}, plan expects {expected} ({route.describe()}); "
+        "asyncslab never casts",
+        file=info.file,
+        tensor=info.name,
+        expected=expected,
+        got=info.st_dtype,
+        layer=route.layer,
+        expert=route.expert,
+        shard=route.shard,
+    )
+
+
+def _read_error(route: Route, info: TensorInfo) -> PlanError:
+    """The error for a route whose bytes are not its tensor's (or not a slice of them)."""
+    end = route.src_offset + route.nbytes
+    what = (
+        "its bytes"
+        if route.shape is None
+        else "a run of its elements"
+        if len(route.shape) == 1
+        else "whole rows of it"
+    )
+    return PlanError(
+        f"reads bytes [{route.src_offset}, {end}) of {route.file}, not {what}: the "
+        f"tensor lies at [{info.offset}, {info.offset + info.nbytes}) of {info.file} "
+        f"({route.describe()}; make routes with make_route)",
+        file=info.file,
+        tensor=info.name,
+        expected=(info.offset, info.offset + info.nbytes),
+        got=(route.src_offset, end),
+    )
+
+
+def _check_filled(
+    slabs: Mapping[str, SlabSpec], filled: Mapping[str, Mapping[tuple[int, ...], Route]]
+) -> None:
+    """Every slot of every slab has its route (``filled``: slab -> slot -> route)."""
     for spec in slabs.values():
         got = filled.get(spec.name, {})
         if len(got) != spec.n_slots:
