@@ -518,6 +518,52 @@ _RUNGS: tuple[tuple[int, int, int, int], ...] = (
 _MIN_LAYERS = 6
 
 
+class _Shapes:
+    """The shapes :func:`spec_for_size` searches among: a spec made of a rung, a layer count
+    and an expert count, the ``overrides`` kept, and its size estimated (before sharding)."""
+
+    def __init__(self, overrides: Mapping[str, Any], tiers: Sequence[int]) -> None:
+        low, higher = tiers[0], tiers[1:]
+        self.mean_bits = (
+            low
+            if not higher
+            else _LOW_TIER_SHARE * low + (1 - _LOW_TIER_SHARE) * sum(higher) / len(higher)
+        )
+        self.tp = overrides.get("tp_ranks", 1)
+        self.first_dense = overrides.get("first_dense", 1)
+        self.passthrough = {
+            k: v
+            for k, v in overrides.items()
+            if k not in ("n_layers", "n_experts", "n_shards", "fill")
+        }
+        self.min_layers = max(self.first_dense + 1, 2)
+
+    def make(self, rung: tuple[int, int, int, int], n_layers: int, n_experts: int) -> SyntheticSpec:
+        h, i, _, v = rung
+        unit = 16 * self.tp
+        params: dict[str, Any] = {
+            "hidden": h,
+            "intermediate": -(-i // unit) * unit,
+            "vocab": v,
+            "first_dense": self.first_dense,
+        }
+        params.update(self.passthrough)
+        params["n_layers"] = n_layers
+        params["n_experts"] = n_experts
+        params["n_shards"] = 1
+        return SyntheticSpec(**params)
+
+    def estimate(self, spec: SyntheticSpec) -> float:
+        n_moe = spec.n_layers - spec.first_dense
+        return _bytes_for(spec, [spec.n_experts * self.mean_bits] * n_moe)
+
+    def per_moe_layer(self, rung: tuple[int, int, int, int], n_experts: int) -> tuple[float, float]:
+        """The size of the smallest spec of ``rung``, and what one more MoE layer adds."""
+        one = self.make(rung, self.min_layers, n_experts)
+        more = self.estimate(replace(one, n_layers=self.min_layers + 1))
+        return self.estimate(one), more - self.estimate(one)
+
+
 def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
     """A spec whose checkpoint is close to total_bytes (within ~10%).
 
@@ -539,45 +585,11 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
         raise TypeError(f"unknown SyntheticSpec fields: {sorted(unknown)}")
 
     tiers = sorted(set(overrides.get("bits", SyntheticSpec.__dataclass_fields__["bits"].default)))
-    low, higher = tiers[0], tiers[1:]
-    mean_bits = (
-        low
-        if not higher
-        else _LOW_TIER_SHARE * low + (1 - _LOW_TIER_SHARE) * sum(higher) / len(higher)
-    )
-    tp = overrides.get("tp_ranks", 1)
-    first_dense = overrides.get("first_dense", 1)
-    passthrough = {
-        k: v for k, v in overrides.items() if k not in ("n_layers", "n_experts", "n_shards", "fill")
-    }
-
-    def make(rung: tuple[int, int, int, int], n_layers: int, n_experts: int) -> SyntheticSpec:
-        h, i, _, v = rung
-        unit = 16 * tp
-        params: dict[str, Any] = {
-            "hidden": h,
-            "intermediate": -(-i // unit) * unit,
-            "vocab": v,
-            "first_dense": first_dense,
-        }
-        params.update(passthrough)
-        params["n_layers"] = n_layers
-        params["n_experts"] = n_experts
-        params["n_shards"] = 1
-        return SyntheticSpec(**params)
-
-    def estimate(spec: SyntheticSpec) -> float:
-        n_moe = spec.n_layers - spec.first_dense
-        return _bytes_for(spec, [spec.n_experts * mean_bits] * n_moe)
-
-    def per_moe_layer(rung: tuple[int, int, int, int], n_experts: int) -> tuple[float, float]:
-        one = make(rung, min_layers, n_experts)
-        return estimate(one), estimate(replace(one, n_layers=min_layers + 1)) - estimate(one)
-
-    min_layers = max(first_dense + 1, 2)
+    shapes = _Shapes(overrides, tiers)
+    min_layers = shapes.min_layers
     chosen = _RUNGS[0]
     for rung in reversed(_RUNGS):
-        _, per_layer = per_moe_layer(rung, overrides.get("n_experts", rung[2]))
+        _, per_layer = shapes.per_moe_layer(rung, overrides.get("n_experts", rung[2]))
         if total_bytes / per_layer >= _MIN_LAYERS:
             chosen = rung
             break
@@ -593,13 +605,14 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
         if "n_layers" in overrides:
             layer_range: Sequence[int] = [overrides["n_layers"]]
         else:
-            floor_bytes, per_layer = per_moe_layer(chosen, n_experts)
+            floor_bytes, per_layer = shapes.per_moe_layer(chosen, n_experts)
             guess = min_layers + (total_bytes - floor_bytes) / per_layer
             centre = max(min_layers, int(guess))
             layer_range = range(max(min_layers, centre - 1), centre + 3)
         for n_layers in layer_range:
-            s = make(chosen, n_layers, n_experts)
-            candidates.append((abs(estimate(s) - total_bytes), abs(n_experts - base_experts), s))
+            s = shapes.make(chosen, n_layers, n_experts)
+            error = abs(shapes.estimate(s) - total_bytes)
+            candidates.append((error, abs(n_experts - base_experts), s))
     # Keep the rung's (round, model-like) expert count unless moving it buys real accuracy.
     close = [c for c in candidates if c[0] <= 0.02 * total_bytes]
     spec = (
