@@ -21,8 +21,14 @@ from asyncslab import _os
 LINUX = sys.platform.startswith("linux")
 
 # Run in a fresh interpreter: this process's peak is whatever the tests before it reached,
-# which touching a few MiB here need not pass. A first block takes the memory held past
-# whatever the imports held for a moment (the peak so far), so that the second one grows it.
+# which touching a few MiB here need not pass. Started from a small one in between: on Linux
+# a process started by fork and exec keeps, as its peak, the resident memory of the one
+# that forked it (a pytest process grown large, here). A first block takes the memory held
+# past whatever the imports held for a moment, so that the second one grows the peak.
+_LAUNCH = (
+    "import subprocess, sys; "
+    "sys.exit(subprocess.run([sys.executable, '-c', sys.argv[1]]).returncode)"
+)
 _TOUCH = """
 import json
 from asyncslab import _os
@@ -38,7 +44,7 @@ print(json.dumps({"before": before, "after": after, "status": _os.proc_status()}
 def test_peak_rss_is_in_bytes_and_grows_with_memory_touched() -> None:
     mib = 128
     run = subprocess.run(
-        [sys.executable, "-c", _TOUCH % (mib, mib)],
+        [sys.executable, "-c", _LAUNCH, _TOUCH % (mib, mib)],
         capture_output=True,
         text=True,
         timeout=120,
