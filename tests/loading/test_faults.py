@@ -84,18 +84,6 @@ def fresh_small(tmp_path: Path) -> SyntheticCheckpoint:
     return write_synthetic(tmp_path / "ckpt", spec)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 class FakeOs:
     """Stands in for ``os`` inside ``asyncslab.loading._read``: ``preadv`` goes through ``hook``;
     counts calls and reads in flight (so a test can assert none is left writing)."""
@@ -565,10 +553,6 @@ async def test_aclose_while_awaited_load_runs(
         await loader
     assert open_fds() == fds
     assert await wait_io_threads_gone() == []
-
-
-
-
 
 
 @pytest.mark.slow

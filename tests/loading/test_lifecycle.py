@@ -715,9 +715,7 @@ async def test_a_failed_load_spares_a_load_draining_in_another_threads_loop(
 
         async def unit_ready(unit: str, slabs: SlabSet) -> None:
             try:
-                await asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(b_slabs.ready(), b_loop)
-                )
+                await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(b_slabs.ready(), b_loop))
             except asyncslab.IncompleteLoadError as err:
                 raise RuntimeError("base weights unavailable") from err
 
