@@ -275,8 +275,20 @@ async def test_aclose_during_a_load_from_s3_releases_everything(
     slabs = SlabSet(p)
     slabs.start(ckpt, options=SMALL)
     await asyncio.to_thread(first.wait)
-    closing = asyncio.create_task(slabs.aclose())
+    # Closed only once a stalled GET is in flight: the load needs more than one request, so
+    # the second comes whatever the machine's speed; closing before it was sent would leave
+    # nothing for the close to tear down, and nothing to wait for here.
     await until(lambda: len(proxy.matching(_payload)) >= 2)
+    asked = asyncio.Event()
+
+    async def close() -> None:
+        asked.set()
+        await slabs.aclose()  # cancels the load before its first await
+
+    closing = asyncio.create_task(close())
+    # The stalled GETs end (cut) only once the cancel is asked for: else their failure could
+    # end the load first, as a failure rather than a cancellation.
+    await asked.wait()
     proxy.release()
     await closing
     assert slabs.state == "cancelled"
