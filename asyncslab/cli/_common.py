@@ -9,7 +9,6 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, TextIO, TypeVar
 
 from .. import _os
-from .._os import peak_rss as peak_rss_bytes
 from .._units import format_bytes
 
 __all__ = [
@@ -18,7 +17,6 @@ __all__ = [
     "bytes_exact",
     "jsonable",
     "out",
-    "peak_rss_bytes",
     "run_async",
     "stderr_line",
 ]

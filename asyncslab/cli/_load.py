@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._os import peak_rss
 from .._units import format_bytes
 from ..checkpoint import Checkpoint, ObjectPath
 from ..loading import LoadOptions, LoadStatistics, SlabSet, load
@@ -28,7 +29,6 @@ from ._common import (
     bytes_exact,
     jsonable,
     out,
-    peak_rss_bytes,
     run_async,
     stderr_line,
 )
@@ -71,7 +71,7 @@ async def _load_and_verify(
     slabs = await load(checkpoint, p, device=device, options=options, progress=progress)
     async with slabs:
         stats = slabs.statistics()
-        rss = peak_rss_bytes()
+        rss = peak_rss()
         result = None
         if verify:
             # On a thread, so that Ctrl-C (which cancels this task) is heard at once; the
@@ -246,7 +246,7 @@ def _cmd_load_transformers(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.finish()
-    rss = peak_rss_bytes()
+    rss = peak_rss()
     doc = {**dataclasses.asdict(report), "model": type(model).__name__, "peak_rss_bytes": rss}
     doc.update(total_s=report.total_s, gbps=report.gbps, dtype=str(model.dtype))
     if args.json is not None:
@@ -292,7 +292,7 @@ def _load_report(
         doc["error"] = str(error) or type(error).__name__
     doc.update(
         gbps=seen[-1].gbps if seen else None,
-        peak_rss_bytes=loaded.peak_rss if loaded is not None else peak_rss_bytes(),
+        peak_rss_bytes=loaded.peak_rss if loaded is not None else peak_rss(),
         verify=loaded.verify.as_dict() if loaded is not None and loaded.verify else None,
         checkpoint=str(path),
         plan=None
