@@ -28,7 +28,9 @@ so a peak shorter than that can be missed), and a checksum of every parameter (e
 contenders: the same bytes), timed too: it reads a byte of every page, so for parameters that
 are views of the mapped files (transformers' dense tensors on a CPU) it does the reads the
 load left to the first use ("+ every page read once"). Medians and ranges over rounds; ratios
-are transformers' time over asyncslab's, paired per round.
+are transformers' time over asyncslab's, paired per round. On a CPU both hand out the
+parameters a checkpoint tensor fills whole as views of the files' mappings;
+``--copy`` adds asyncslab with ``disable_mmap=True`` (every byte read now) as a row.
 
 Targets (printed, never asserted): warm, asyncslab at least 1.5x faster than
 ``from_pretrained`` on the MoE shapes, never slower on the dense one; never slower cold or
@@ -158,6 +160,8 @@ def child(contender: str, model: str, local: str) -> dict[str, Any]:
             loaded = transformers.AutoModelForCausalLM.from_pretrained(model)
         elif contender == "asyncslab" or contender == "asyncslab-s3":
             loaded = asyncslab.transformers.from_pretrained(model)
+        elif contender == "asyncslab-copy":
+            loaded = asyncslab.transformers.from_pretrained(model, disable_mmap=True)
         elif contender == "download+transformers":
             _download(model, Path(tmp))
             loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp)
@@ -414,6 +418,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="small models (a smoke test)")
     parser.add_argument(
+        "--copy",
+        action="store_true",
+        help="warm and cold: asyncslab with disable_mmap=True too (every byte read into the "
+        "process's memory, none left mapped), a row of its own",
+    )
+    parser.add_argument(
         "--device-check",
         default=None,
         metavar="DEVICE",
@@ -469,7 +479,10 @@ def main() -> None:
         for r in range(args.rounds):
             for n in names:
                 for mode in modes:
-                    order = CONTENDERS[mode][:: -1 if r % 2 else 1]
+                    order = CONTENDERS[mode]
+                    if args.copy and mode != "s3":
+                        order = (*order, "asyncslab-copy")
+                    order = order[:: -1 if r % 2 else 1]
                     for contender in order:
                         if mode == "cold":
                             share = _drop_cache(sorted(local[n].glob("*.safetensors")))

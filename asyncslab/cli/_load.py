@@ -152,6 +152,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         return _cmd_load_transformers(args)
     if args.dtype is not None:
         raise UsageError("--dtype applies to --transformers only")
+    if args.disable_mmap:
+        raise UsageError("--disable-mmap applies to --transformers only")
     # `--json -`: the report goes to stdout in place of the table, so that stdout stays one
     # JSON document (as with `inspect --json`); the bar and the errors are on stderr anyway.
     # The raw text is compared, since Path("./-") is Path("-").
@@ -237,6 +239,7 @@ def _cmd_load_transformers(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             progress=bar,
+            disable_mmap=args.disable_mmap or None,
             io_workers=args.io_workers,
             read_size=args.read_mb,
             staging_bytes=args.staging_mb,
@@ -257,11 +260,15 @@ def _cmd_load_transformers(args: argparse.Namespace) -> int:
             ["model", f"{type(model).__name__} ({model.dtype}, eval mode)"],
             ["device", str(args.device)],
             ["files", f"{report.files:,}"],
-            ["tensors", f"{report.placed:,} of {report.tensors:,} read into their parameters"
+            ["tensors", f"{report.placed:,} of {report.tensors:,} straight into their "
+                        f"parameters ({report.placed - report.mapped:,} read, "
+                        f"{report.mapped:,} mapped from their files)"
                         + (converted if report.converted else "")
                         + (f", {len(report.skipped):,} skipped" if report.skipped else "")],
             ["parameters", f"{report.parameters:,}"],
-            ["bytes", bytes_exact(report.bytes)],
+            ["bytes", bytes_exact(report.bytes) + " read"
+                      + (f", {bytes_exact(report.mapped_bytes)} mapped (read at first use)"
+                         if report.mapped else "")],
             ["seconds", f"{report.total_s:.3f} (model and plan {report.prepare_s:.3f}, reads "
                         f"{report.load_s:.3f}, finishing {report.finish_s:.3f})"],
             ["GB/s", f"{report.gbps:.2f} (reads)"],

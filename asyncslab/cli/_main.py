@@ -150,6 +150,13 @@ def _add_load(sub: argparse._SubParsersAction[_Parser], common: _Parser) -> None
         default=None,
         help="with --transformers: cast to this dtype (default: the config's, no cast)",
     )
+    load_p.add_argument(
+        "--disable-mmap",
+        action="store_true",
+        help="with --transformers on a CPU: read every byte now, none left mapped from the "
+        "files (by default a parameter one tensor fills whole is a view of its file, as "
+        "transformers' own)",
+    )
     load_p.set_defaults(handler=cmd_load)
 
 

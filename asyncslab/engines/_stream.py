@@ -31,8 +31,6 @@ tensors. Objects in a store always go through windows.
 from __future__ import annotations
 
 import asyncio
-import mmap
-import os
 import queue
 import threading
 from collections.abc import Callable, Generator, Sequence
@@ -43,7 +41,7 @@ import torch
 from .._os import PAGE, run
 from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import LoadError, ReadError
-from ..loading import LoadOptions, PopulateRegistry, SlabSet, open_checked
+from ..loading import LoadOptions, PopulateRegistry, SlabSet, map_checked
 from ..planning import Dense, Plan, plan
 
 __all__ = ["DEFAULT_WINDOW", "stream_tensors", "windows"]
@@ -324,18 +322,9 @@ class _Stream:
             # consumer's tensors of it, and goes with them.
             self._maps.clear()
             shard = self._shards[path]
-            fd = open_checked(
+            found = self._maps[path] = map_checked(
                 path, shard.size, shard.inode, shard.mtime_ns, shards=len(self._shards)
             )
-            try:
-                # Private: a consumer that writes into a view writes into its own copy of
-                # the page, never into the file.
-                mapping = mmap.mmap(fd, shard.size, access=mmap.ACCESS_COPY)
-            except OSError as err:
-                raise ReadError(f"cannot map: {err.strerror or err}", file=path) from err
-            finally:
-                os.close(fd)
-            found = self._maps[path] = torch.frombuffer(mapping, dtype=torch.uint8)
         return found
 
 

@@ -6,8 +6,11 @@ The sequence: open the checkpoint's headers (:meth:`Checkpoint.open`: a director
 asyncslab's own client); build the model as ``from_pretrained`` builds it (its init context:
 the meta device, no initialisation, no tying); find every checkpoint tensor's parameter and
 view with transformers' own conversion mapping, refusing a missing, extra, misshapen or
-mistyped tensor (:mod:`._transformers_places`); allocate each parameter once, on the
-target device; plan one run per tensor into those views and load it (a
+mistyped tensor (:mod:`._transformers_places`); on a CPU target, hand each parameter that
+one local checkpoint tensor fills whole and as it is a view of its file's private mapping,
+as transformers' own reader does (its pages are read at first use; ``disable_mmap=True``
+reads them now, into memory of the process's own); allocate every other parameter once, on
+the target device; plan one run per tensor into those views and load it (a
 :class:`~asyncslab.SlabSet` over the model's own tensors). Groups whose conversion is not
 a placement (a transpose, a cast asked for) are read into buffers of their own in the same
 load and handed to transformers' own converter. Then ``from_pretrained``'s own finishing
@@ -39,7 +42,7 @@ from ..errors import (
     ShapeMismatchError,
     UnsafePathError,
 )
-from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
+from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet, map_checked
 from ..planning import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._engine_load import run_sync
 from ._transformers_places import Converted, Places, places
@@ -59,16 +62,20 @@ OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_s
 
 @dataclass(frozen=True, slots=True)
 class TransformersLoad:
-    """What one load did: ``tensors`` checkpoint tensors, ``placed`` of them read straight
-    into their parameters (``bytes``), ``converted`` through transformers' converters (with
-    why), ``skipped`` (tied copies, keys the model ignores). Seconds: building and planning
-    (``prepare_s``), the reads (``load_s``), converting and finishing (``finish_s``)."""
+    """What one load did: ``tensors`` checkpoint tensors, ``placed`` of them straight into
+    their parameters: read there (``bytes``), or, ``mapped`` of them (``mapped_bytes``),
+    handed over as views of their files' mappings; ``converted`` through transformers'
+    converters (with why), ``skipped`` (tied copies, keys the model ignores). Seconds:
+    building, mapping and planning (``prepare_s``), the reads (``load_s``), converting and
+    finishing (``finish_s``)."""
 
     source: str
     files: int
     tensors: int
     placed: int
     bytes: int
+    mapped: int
+    mapped_bytes: int
     parameters: int
     converted: Mapping[str, str]
     skipped: tuple[str, ...]
@@ -94,6 +101,7 @@ def from_pretrained(
     config: Any = None,
     storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
+    disable_mmap: bool | None = None,
     **options: Any,
 ) -> Any:
     """What ``model_class.from_pretrained(source, dtype=dtype, device_map=device)`` returns
@@ -107,7 +115,15 @@ def from_pretrained(
     dtype; a dtype casts to it, as transformers does. ``config`` replaces ``config.json``.
     ``storage_options`` configure the object-store client (else the environment's
     ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...; see docs/object-storage.md).
-    ``options`` are :class:`~asyncslab.LoadOptions` fields (from object storage,
+    ``disable_mmap``, as transformers': by default (``None``: unless the files are on an
+    hf-mount FUSE filesystem, as transformers decides) a CPU model's parameters that one
+    local checkpoint tensor fills whole and as it is are views of a private mapping of
+    their file, read at first use; ``True`` reads every byte now, into the process's own
+    memory. A mapped parameter shares the file's pages with the page cache: rewriting the
+    file in place while the model lives (``save_pretrained`` into the same directory)
+    changes or breaks it, as it does a model of ``from_pretrained``'s (writes into the
+    parameter never reach the file). ``options`` are :class:`~asyncslab.LoadOptions`
+    fields (from object storage,
     ``request_concurrency`` and ``request_size`` default to :data:`OBJECT_STORE_REQUESTS`).
     Synchronous (a running event loop is left alone: the reads run on a loop of their own
     thread); see :func:`load_pretrained`."""
@@ -119,6 +135,7 @@ def from_pretrained(
         config=config,
         storage_options=storage_options,
         progress=progress,
+        disable_mmap=disable_mmap,
         **options,
     )[0]
 
@@ -132,6 +149,7 @@ async def load_pretrained(
     config: Any = None,
     storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
+    disable_mmap: bool | None = None,
     **options: Any,
 ) -> Any:
     """:func:`from_pretrained` for async code: building the model, planning and converting
@@ -139,7 +157,7 @@ async def load_pretrained(
     load_options = _load_options(source, options)
     started = time.perf_counter()
     prepared = await asyncio.to_thread(
-        _prepare, source, model_class, dtype, device, config, storage_options
+        _prepare, source, model_class, dtype, device, config, storage_options, disable_mmap
     )
     try:
         read = time.perf_counter()
@@ -162,6 +180,7 @@ def load(
     config: Any = None,
     storage_options: Mapping[str, str | bool | int | float] | None = None,
     progress: ProgressCallback | None = None,
+    disable_mmap: bool | None = None,
     **options: Any,
 ) -> tuple[Any, TransformersLoad]:
     """:func:`from_pretrained`, and what the load did."""
@@ -169,7 +188,7 @@ def load(
     import transformers  # noqa: F401  (its first import is no part of the load's time)
 
     started = time.perf_counter()
-    prepared = _prepare(source, model_class, dtype, device, config, storage_options)
+    prepared = _prepare(source, model_class, dtype, device, config, storage_options, disable_mmap)
     try:
         read = time.perf_counter()
         statistics = run_sync(_read(prepared, load_options, progress))
@@ -202,6 +221,7 @@ class _Prepared:
     found: Places
     device: torch.device
     plan: Plan
+    mapped: dict[str, torch.Tensor]
     views: dict[str, torch.Tensor]
     sources: dict[str, torch.Tensor]
     temporary: tempfile.TemporaryDirectory[str] | None = None
@@ -219,6 +239,7 @@ def _prepare(
     device: Any,
     config: Any,
     storage_options: Mapping[str, str | bool | int | float] | None,
+    disable_mmap: bool | None,
 ) -> _Prepared:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -265,8 +286,9 @@ def _prepare(
         )
         device = torch.device(device)
         _check_converted(model, found, checkpoint)
-        _allocate(model, found, dtype_of, device)
-        built, views, sources = _plan(checkpoint, model, found, device)
+        mapped = _mapped(checkpoint, found, device, disable_mmap)
+        _allocate(model, found, dtype_of, device, mapped)
+        built, views, sources = _plan(checkpoint, model, found, device, mapped)
     except BaseException:
         if temporary is not None:
             temporary.cleanup()
@@ -282,6 +304,7 @@ def _prepare(
         found=found,
         device=device,
         plan=built,
+        mapped=mapped,
         views=views,
         sources=sources,
         temporary=temporary,
@@ -402,23 +425,70 @@ def _run_converter(
     return {k: (v[0] if isinstance(v, list) else v) for k, v in result.items()}
 
 
-def _allocate(model: Any, found: Places, dtype_of: Any, device: torch.device) -> None:
+def _allocate(
+    model: Any,
+    found: Places,
+    dtype_of: Any,
+    device: torch.device,
+    mapped: Mapping[str, torch.Tensor],
+) -> None:
     """Real storage for every state-dict entry a checkpoint tensor writes, once, on
-    ``device``; tied copies stay on meta until tied, missing buffers for the model to
-    initialise. Each is marked initialised, as ``set_param_for_module`` marks it."""
+    ``device`` (or its ``mapped`` view of a file); tied copies stay on meta until tied,
+    missing buffers for the model to initialise. Each is marked initialised, as
+    ``set_param_for_module`` marks it."""
     skip = {*found.missing_buffers, *found.missing_tied}
     for key, meta in model.state_dict(keep_vars=True).items():
         if key in skip:
             continue
         module_path, _, leaf = key.rpartition(".")
         module = model.get_submodule(module_path) if module_path else model
-        real = torch.empty(meta.shape, dtype=dtype_of(key, meta), device=device)
+        real = mapped.get(key)
+        if real is None:
+            real = torch.empty(meta.shape, dtype=dtype_of(key, meta), device=device)
         if leaf in module._buffers:
             module._buffers[leaf] = real
         else:
             real = torch.nn.Parameter(real, requires_grad=real.is_floating_point())
             module._parameters[leaf] = real
         real._is_hf_initialized = True  # type: ignore[attr-defined]
+
+
+def _mapped(
+    checkpoint: Checkpoint, found: Places, device: torch.device, disable_mmap: bool | None
+) -> dict[str, torch.Tensor]:
+    """Per state-dict entry one checkpoint tensor fills whole and as it is (no slice, no
+    cast: ``places`` placed it with no steps), from a local file, on a CPU target: a view
+    of that file's private mapping, each file mapped once (:func:`map_checked`: one
+    changed since it was opened is refused). A tensor at an offset no multiple of its
+    element size (a file the safetensors library did not write) cannot be viewed, and is
+    read instead."""
+    if device.type != "cpu" or disable_mmap:
+        return {}
+    from transformers.modeling_utils import _is_on_hf_mount
+
+    shards = {shard.path: shard for shard in checkpoint.files if shard.source is None}
+    usable: dict[Path, bool] = {}
+    files: dict[Path, torch.Tensor] = {}
+    mapped: dict[str, torch.Tensor] = {}
+    for place in found.placed:
+        info = checkpoint.tensors[place.tensor]
+        shard = shards.get(info.file)
+        if place.steps or shard is None or info.offset % info.dtype.itemsize:
+            continue
+        if disable_mmap is None:
+            if (fine := usable.get(shard.path)) is None:
+                # transformers' own test: mmap on hf-mount's FUSE filesystem can deadlock.
+                fine = usable[shard.path] = not _is_on_hf_mount(shard.path)
+            if not fine:
+                continue
+        whole = files.get(shard.path)
+        if whole is None:
+            whole = files[shard.path] = map_checked(
+                shard.path, shard.size, shard.inode, shard.mtime_ns, shards=len(shards)
+            )
+        raw = whole[info.offset : info.offset + info.nbytes]
+        mapped[place.target] = raw.view(info.dtype).view(info.shape)
+    return mapped
 
 
 class _Claimed:
@@ -432,10 +502,15 @@ class _Claimed:
 
 
 def _plan(
-    checkpoint: Checkpoint, model: Any, found: Places, device: torch.device
+    checkpoint: Checkpoint,
+    model: Any,
+    found: Places,
+    device: torch.device,
+    mapped: Mapping[str, torch.Tensor],
 ) -> tuple[Plan, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One route per placed tensor into its view of the (real) parameter, and one per
-    converted tensor into a buffer of its own on ``device``."""
+    converted tensor into a buffer of its own on ``device``; the ``mapped`` (by target)
+    are not read."""
     state = model.state_dict(keep_vars=True)
     specs: list[SlabSpec] = []
     routes = []
@@ -455,7 +530,11 @@ def _plan(
         routes.append(make_route(info, spec, (), elements=(0, info.numel)))
         views[name] = view
 
+    unread: list[str] = []
     for place in found.placed:
+        if place.target in mapped:
+            unread.append(place.tensor)
+            continue
         info = checkpoint.tensors[place.tensor]
         view = place.view(state[place.target].detach())
         offset = (
@@ -468,7 +547,7 @@ def _plan(
             buffer = torch.empty(info.shape, dtype=info.dtype, device=device)
             sources[name] = buffer
             route(info, f"source:{name}", group.target, buffer.view(-1))
-    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=found.skipped)
+    claim = Claim(slabs=tuple(specs), routes=tuple(routes), skipped=(*found.skipped, *unread))
     return plan(checkpoint, [_Claimed(claim)]), views, sources
 
 
@@ -539,6 +618,8 @@ def _finish(
         tensors=len(prepared.checkpoint.tensors),
         placed=len(prepared.found.placed),
         bytes=statistics.bytes_landed,
+        mapped=len(prepared.mapped),
+        mapped_bytes=sum(t.nbytes for t in prepared.mapped.values()),
         parameters=sum(1 for _ in model.parameters()),
         converted={n: g.why for g in prepared.found.converted for n in g.names},
         skipped=prepared.found.skipped,

@@ -6,6 +6,7 @@ the public names are re-exported by ``asyncslab`` and its public modules."""
 
 from ._copy import direct_scatters as direct_scatters
 from ._load import Load as Load
+from ._load import map_checked as map_checked
 from ._load import open_checked as open_checked
 from ._options import LoadOptions as LoadOptions
 from ._options import LoadStatistics as LoadStatistics
@@ -44,6 +45,7 @@ __all__ = [
     "fetch",
     "is_closed",
     "load",
+    "map_checked",
     "open_checked",
     "pinned_bytes",
     "pread_scatter",

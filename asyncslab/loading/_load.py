@@ -19,6 +19,7 @@ import asyncio
 import errno
 import functools
 import inspect
+import mmap
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -43,7 +44,15 @@ from ._schedule import ReadOp, Schedule
 from ._sink import Files, ReadOne, Reads, Sink, TransferStrategy
 from ._tracker import Tracker
 
-__all__ = ["Health", "Load", "check_files", "check_progress", "open_checked", "uncancellable"]
+__all__ = [
+    "Health",
+    "Load",
+    "check_files",
+    "check_progress",
+    "map_checked",
+    "open_checked",
+    "uncancellable",
+]
 
 T = TypeVar("T")
 
@@ -685,6 +694,23 @@ def open_checked(
         raise
     os.set_blocking(fd, True)  # the planned regular file: reads block as usual
     return fd
+
+
+def map_checked(
+    path: os.PathLike[str], size: int, inode: int, mtime_ns: int, *, shards: int
+) -> torch.Tensor:
+    """One of a load's ``shards`` files as a private mapping (``uint8``, its whole
+    ``size``), refusing one that changed since planning. Private: writing into a view of
+    it writes into a copy of the page, never into the file. The mapping lives as long as
+    any tensor viewing it."""
+    fd = open_checked(path, size, inode, mtime_ns, shards=shards)
+    try:
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except OSError as err:
+        raise ReadError(f"cannot map: {err.strerror or err}", file=path) from err
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def _check_unchanged(

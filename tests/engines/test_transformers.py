@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -47,12 +48,13 @@ def test_the_transformers_api_asyncslab_relies_on_is_there() -> None:
         dot_natural_key,
         rename_source_key,
     )
-    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.modeling_utils import LoadStateDictConfig, _is_on_hf_mount
     from transformers.models.auto.auto_factory import _get_model_class
     from transformers.monkey_patching import patch_output_recorders
     from transformers.utils.loading_report import LoadStateDictInfo
 
     assert callable(_get_model_class)
+    assert _is_on_hf_mount(Path(__file__)) is False
     assert callable(patch_output_recorders)
     for name in (
         "get_init_context",
@@ -222,6 +224,121 @@ def test_an_explicit_model_class_and_config(tmp_path: Path) -> None:
     assert type(base).__name__ == "LlamaModel"
 
 
+# --- parameters as views of the files' mappings -------------------------------------------
+
+
+def _file_mapped_at(tensor: torch.Tensor) -> str | None:
+    """What holds ``tensor``'s first byte in ``/proc/self/maps``: a file's path, a name in
+    brackets (``[heap]``), or None (anonymous)."""
+    address = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def _distinct(model: Any) -> dict[str, torch.Tensor]:
+    """The state dict with one name per tensor (a tied weight is one tensor, two names)."""
+    by_memory = {(t.data_ptr(), t.nbytes): (k, t) for k, t in model.state_dict().items()}
+    return dict(by_memory.values())
+
+
+needs_proc_maps = pytest.mark.skipif(
+    not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)"
+)
+
+
+@needs_proc_maps
+@pytest.mark.parametrize("name", ["llama_tied", "mixtral"])
+def test_a_parameter_one_tensor_fills_whole_is_a_view_of_its_files_mapping(
+    name: str, tmp_path: Path
+) -> None:
+    """As transformers' own reader on a CPU: every parameter one checkpoint tensor fills whole
+    (all of a dense model's; an MoE's but its stacked experts) is a view of a private
+    mapping of its file, nothing of it read at the load; the experts are read into their
+    fused parameters. Writing into a mapped parameter never reaches the file."""
+    directory = save(build(name), tmp_path / name)
+    shards = {str(p.resolve()) for p in directory.glob("*.safetensors")}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model, report = ast.load(directory)
+    assert_same_model(ref, model)
+    state = _distinct(model)
+    on_file = {k for k, t in state.items() if _file_mapped_at(t) in shards}
+    assert on_file, "no parameter is mapped"
+    assert report.mapped == len(on_file)
+    assert report.mapped_bytes == sum(state[k].nbytes for k in on_file)
+    read = {k for k, t in state.items() if k not in on_file and not t.is_meta}
+    if name == "llama_tied":
+        assert not read
+        assert report.bytes == 0
+        assert report.mapped == report.placed
+    else:
+        # Exactly the fused experts are read, every byte of them once.
+        assert read == {k for k in state if ".experts." in k}
+        assert report.bytes == sum(state[k].nbytes for k in read)
+        assert report.placed == report.tensors
+    before = {p: p.read_bytes() for p in directory.glob("*.safetensors")}
+    with torch.no_grad():
+        model.get_parameter(sorted(on_file)[0]).add_(1)
+    assert {p: p.read_bytes() for p in before} == before
+
+
+@needs_proc_maps
+def test_disable_mmap_reads_every_byte_into_the_process_memory(tmp_path: Path) -> None:
+    directory = save(build("mixtral"), tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    model, report = ast.load(directory, disable_mmap=True)
+    assert_same_model(ref, model)
+    assert (report.mapped, report.mapped_bytes) == (0, 0)
+    assert report.bytes == sum(t.nbytes for t in _distinct(model).values())
+    shards = {str(p.resolve()) for p in directory.glob("*.safetensors")}
+    assert not any(_file_mapped_at(t) in shards for t in model.state_dict().values())
+
+
+def _unaligned(source: Path, target: Path) -> Path:
+    """``source``'s checkpoint in one file written byte by byte, its header padded so that
+    the payload starts at an odd offset: no bfloat16 tensor in it can be a view of a
+    mapping (safetensors' own writer pads to 8)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(source.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    payload = bytearray()
+    for name, tensor in tensors.items():
+        data = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        assert tensor.dtype == torch.bfloat16
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(tensor.shape),
+            "data_offsets": [len(payload), len(payload) + len(data)],
+        }
+        payload += data
+    text = json.dumps(header).encode()
+    text += b" " * ((1 - len(text)) % 2)  # 8 + len(text) odd
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(
+        len(text).to_bytes(8, "little") + text + bytes(payload)
+    )
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(source / name, target / name)
+    return target
+
+
+def test_a_tensor_at_an_odd_offset_is_read_not_mapped(tmp_path: Path) -> None:
+    directory = save(build("llama_tied"), tmp_path / "m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    odd = _unaligned(directory, tmp_path / "odd")
+    model, report = ast.load(odd)
+    assert report.mapped == 0
+    assert report.bytes == sum(t.nbytes for t in _distinct(model).values())
+    ref_state = ref.state_dict()
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(_bits(tensor), _bits(ref_state[key])), key
+
+
 # --- refusals ---------------------------------------------------------------------------
 
 
@@ -351,7 +468,11 @@ def test_the_command_line_loads_a_transformers_model(
     assert main(["load", "--transformers", "--no-progress", str(mixtral_dir)]) == 0
     out = capsys.readouterr().out
     assert f"loaded {mixtral_dir} as MixtralForCausalLM:" in out
-    assert "41 of 41 read into their parameters" in out
+    mapped = re.search(r"41 of 41 straight into their parameters \((\d+) read, (\d+) mapped", out)
+    assert mapped is not None, out
+    assert int(mapped[1]) > 0
+    assert int(mapped[2]) > 0
+    assert int(mapped[1]) + int(mapped[2]) == 41
     report = tmp_path / "report.json"
     argv = ["load", "--transformers", "--no-progress", "--dtype", "float32"]
     assert main([*argv, "--json", str(report), str(mixtral_dir)]) == 0
@@ -362,6 +483,12 @@ def test_the_command_line_loads_a_transformers_model(
     assert len(doc["converted"]) == doc["tensors"] == 41
     assert main(["load", "--transformers", "--verify", str(mixtral_dir)]) == 2
     assert "--verify does not apply to --transformers" in capsys.readouterr().err
+    argv = ["load", "--transformers", "--no-progress", "--disable-mmap", "--json", "-"]
+    assert main([*argv, str(mixtral_dir)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["mapped"], doc["mapped_bytes"], doc["placed"]) == (0, 0, 41)
+    assert main(["load", "--disable-mmap", str(mixtral_dir)]) == 2
+    assert "--disable-mmap applies to --transformers only" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -197,6 +197,26 @@ async def test_truncated_between_stat_check_and_read(
     await slabs.aclose()
 
 
+def test_a_files_mapping_is_private_and_refused_once_the_file_changed(tmp_path: Path) -> None:
+    """``map_checked``: the file as planned, mapped copy-on-write (a write into the mapping
+    never reaches the file, and the mapping outlives every handle but its tensor's); a file
+    changed since planning is refused, not mapped."""
+    path = tmp_path / "f.safetensors"
+    content = bytes(range(256)) * 64
+    path.write_bytes(content)
+    st = os.stat(path)
+    whole = _load.map_checked(path, st.st_size, st.st_ino, st.st_mtime_ns, shards=1)
+    assert bytes(whole.numpy()) == content
+    whole[:16] = 7
+    gc.collect()
+    assert path.read_bytes() == content
+    assert bytes(whole[16:32].numpy()) == content[16:32]
+    with open(path, "r+b") as f:
+        f.truncate(len(content) - 1)
+    with pytest.raises(asyncslab.errors.FileChangedError, match="size 16384 -> 16383"):
+        _load.map_checked(path, st.st_size, st.st_ino, st.st_mtime_ns, shards=1)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("how", ["deleted", "renamed-away", "replaced", "directory", "fifo"])
