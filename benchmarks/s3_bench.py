@@ -30,6 +30,8 @@ reversed every other round):
 - in vLLM (the Mixtral-like model): ``load_format`` ``asyncslab`` and ``runai_streamer`` with
   ``model="s3://..."``, ``load_weights`` timed (``benchmarks/vllm_bench.py``'s child);
   ``asyncslab`` there is reported "not available" until vLLM + asyncslab take ``s3://``;
+  ``tensorizer``: vLLM's own tensorizer loader over the tensorizer object below (the
+  model's configuration from its local directory), ``load_weights`` timed the same way;
 - tensorizer (the Mixtral-like model, S3 links): CoreWeave's serialiser, the state dict
   written once with ``TensorSerializer`` into one object on the same server, read back by
   its own ``TensorDeserializer`` from ``s3://`` (its HTTP reader, ``force_http``) into CPU
@@ -81,7 +83,7 @@ BUCKET = "models"
 LIBRARY = ("asyncslab", "runai-model-streamer", "tensorizer", "raw-bound", "raw-bound-threads")
 #: The raw bounds: asyncslab is judged against the faster of them in each round.
 BOUNDS = ("raw-bound", "raw-bound-threads")
-VLLM = ("vllm:asyncslab", "vllm:runai_streamer")
+VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
 CONTENDERS = (*LIBRARY, *VLLM)
 MODELS = ("mixtral", "exl3")
 LINKS = ("local", "remote", "gcs", "azure")
@@ -246,7 +248,7 @@ def missing(contender: str, link: str = "local") -> str | None:
     client = "runai_model_streamer_gcs" if link == "gcs" else "runai_model_streamer_s3"
     if "runai" in contender and importlib.util.find_spec(client) is None:
         return f"not available: pip install {client.replace('_', '-')}"
-    if contender == "tensorizer" and importlib.util.find_spec("tensorizer") is None:
+    if contender.endswith("tensorizer") and importlib.util.find_spec("tensorizer") is None:
         return "not available: pip install tensorizer"
     if contender.startswith("vllm:") and importlib.util.find_spec("vllm") is None:
         return "not available: vLLM is not installed"
@@ -255,8 +257,9 @@ def missing(contender: str, link: str = "local") -> str | None:
     return None
 
 
-def child(contender: str, uri: str, link: Link) -> dict[str, Any]:
-    """One load of ``uri`` by ``contender`` in a fresh process."""
+def child(contender: str, uri: str, link: Link, config: Path | None = None) -> dict[str, Any]:
+    """One load of ``uri`` by ``contender`` in a fresh process (``config``: the model's
+    local directory, for a loader that reads only the payload from ``uri``)."""
     env = dict(os.environ, **dict(link.env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if contender in ("asyncslab", "runai-model-streamer"):
@@ -267,6 +270,8 @@ def child(contender: str, uri: str, link: Link) -> dict[str, Any]:
         mark = RESULT_MARK
     else:
         command = [sys.executable, __file__, "--child", contender, "--uri", uri]
+        if config is not None:
+            command += ["--config", str(config)]
         mark = RESULT
         if contender.startswith("vllm:"):
             # As vllm_bench.py runs its children: a small KV cache, quiet logs.
@@ -395,11 +400,28 @@ def torch_uint8() -> Any:
     return torch.uint8
 
 
-def child_vllm(contender: str, uri: str) -> dict[str, Any]:
-    """vllm_bench.py's child: ``create_model``, then ``load_weights`` timed, from ``uri``."""
+def child_vllm(contender: str, uri: str, config: str | None) -> dict[str, Any]:
+    """vllm_bench.py's child: ``create_model``, then ``load_weights`` timed, from ``uri``;
+    ``vllm:tensorizer`` builds the model from ``config``, its weights from the tensorizer
+    object ``uri`` (vLLM's extra config, flat: vLLM moves the keys into its own)."""
+    from benchmarks.vllm_bench import CONTENDERS as VLLM_CONTENDERS
     from benchmarks.vllm_bench import child_load
 
-    rec = child_load(uri, contender.removeprefix("vllm:"), "cpu")
+    name = contender.removeprefix("vllm:")
+    if name == "tensorizer":
+        assert config is not None, "vllm:tensorizer needs the model's --config directory"
+        VLLM_CONTENDERS[name] = {
+            "load_format": "tensorizer",
+            "extra": {
+                "tensorizer_uri": uri,
+                "s3_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+                "s3_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+                "s3_endpoint": os.environ["AWS_ENDPOINT_URL"],
+                "stream_kwargs": {"force_http": True},
+            },
+        }
+        uri = config
+    rec = child_load(uri, name, "cpu")
     rec["seconds"] = rec["load_weights_s"]
     rec["peak_growth"] = rec["peak_rss_growth"]
     rec["bytes"] = rec["param_bytes"]
@@ -526,6 +548,10 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
                 lines.append(
                     _verdict(f"{where}: vLLM runai_streamer / asyncslab", speedup, 3.0, below=False)
                 )
+                if (link, model, "vllm:tensorizer") in by:
+                    ratio = _paired(runs, link, model, "vllm:tensorizer", "vllm:asyncslab")
+                    shown = "not measured" if ratio is None else f"{ratio:.2f}"
+                    lines.append(f"info  {where}: vLLM tensorizer / asyncslab: {shown}")
                 sums = {
                     c: by[(link, model, c)]["checksums"] for c in VLLM if (link, model, c) in by
                 }
@@ -569,6 +595,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--report", type=Path, help="print the tables of a --json file, run nothing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--uri", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     for name, universe in (("models", MODELS), ("links", LINKS), ("contenders", CONTENDERS)):
         chosen = [x for x in getattr(args, name).split(",") if x]
@@ -587,7 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.child == "tensorizer":
             rec = child_tensorizer(args.uri)
         else:
-            rec = child_vllm(args.child, args.uri)
+            rec = child_vllm(args.child, args.uri, args.config)
         print(RESULT + json.dumps(rec), flush=True)
         if args.child == "raw-bound":
             # obstore's async client leaves runtime threads that can abort the interpreter's
@@ -609,7 +636,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {name: payload_bytes(path) for name, path in models.items()}
     runs: list[dict[str, Any]] = []
     link_settings = {"latency_ms": args.latency_ms, "link_mbps": args.link_mbps}
-    wanted = "tensorizer" in args.contenders and missing("tensorizer") is None
+    readers = {"tensorizer", "vllm:tensorizer"}
+    wanted = bool(readers & set(args.contenders)) and missing("tensorizer") is None
     tensorizer = workdir if wanted else None
     with serving(
         models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6, tensorizer
@@ -631,9 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for link, model, contender in jobs if r % 2 == 0 else jobs[::-1]:
                 why = missing(contender, link)
                 uri = f"{links[link].scheme}://{BUCKET}/{model}"
-                if contender == "tensorizer":
+                config = models[model] if contender == "vllm:tensorizer" else None
+                if contender.endswith("tensorizer"):
                     uri = f"s3://{BUCKET}/tensorizer/{model}.tensors"
-                result = {"unavailable": why} if why else child(contender, uri, links[link])
+                result = {"unavailable": why} if why else child(contender, uri, links[link], config)
                 runs.append(
                     {
                         "round": r,

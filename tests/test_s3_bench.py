@@ -67,7 +67,7 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     seen = {(r["link"], r["model"], r["contender"]): r for r in rows}
     library = ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads")
-    mixtral_only = ("tensorizer", "vllm:asyncslab", "vllm:runai_streamer")
+    mixtral_only = ("tensorizer", "vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
     expected = {
         (link, model, contender)
         for link in ("local", "remote")
