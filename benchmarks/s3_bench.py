@@ -372,14 +372,7 @@ def child_tensorizer(uri: str) -> dict[str, Any]:
 
     timed = Timed()
     timed.start()
-    stream = open_stream(
-        uri,
-        "rb",
-        s3_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-        s3_secret_access_key=os.environ["AWS_SECRET_ACCESS_KEY"],
-        s3_endpoint=os.environ["AWS_ENDPOINT_URL"],
-        force_http=True,
-    )
+    stream = open_stream(uri, "rb", **_tensorizer_s3(), force_http=True)
     tensors = TensorDeserializer(stream, device="cpu")
     nbytes = sum(t.nbytes for t in tensors.values())
     timed.stop()
@@ -392,6 +385,16 @@ def child_tensorizer(uri: str) -> dict[str, Any]:
     tensors.close()
     stream.close()
     return rec
+
+
+def _tensorizer_s3() -> dict[str, str]:
+    """The link's S3 endpoint and credentials (its environment) as tensorizer's stream
+    arguments: its own reader and vLLM's tensorizer loader take the same three."""
+    return {
+        "s3_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+        "s3_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+        "s3_endpoint": os.environ["AWS_ENDPOINT_URL"],
+    }
 
 
 def torch_uint8() -> Any:
@@ -414,9 +417,7 @@ def child_vllm(contender: str, uri: str, config: str | None) -> dict[str, Any]:
             "load_format": "tensorizer",
             "extra": {
                 "tensorizer_uri": uri,
-                "s3_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
-                "s3_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
-                "s3_endpoint": os.environ["AWS_ENDPOINT_URL"],
+                **_tensorizer_s3(),
                 "stream_kwargs": {"force_http": True},
             },
         }
