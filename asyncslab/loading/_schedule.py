@@ -3,7 +3,10 @@
 Routes come sorted by file and offset. Neighbours whose gap is at most ``gap`` bytes merge
 into one read of at most ``max_read`` bytes (the gap is read and discarded: one syscall
 beats two when the gap is small). A tensor larger than ``max_read`` is split into chunks, so
-staging buffers of a fixed size can carry any tensor. Pure: no I/O.
+staging buffers of a fixed size can carry any tensor. With ``fill``, a run of neighbours is
+cut at exactly ``max_read`` bytes instead, the tensor across the cut split between two
+reads: every read but a run's last has one size (what an object store's responses want, see
+``_strategy_remote``). Pure: no I/O.
 
 A mapped load (see ``_strategy_mapped``) reads nothing: it registers each read's pages with CUDA and
 copies out of them. CUDA refuses a page that is registered already, so :func:`windows`
@@ -48,9 +51,11 @@ class Schedule:
     bytes_read: int
 
 
-def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
+def schedule(plan: Plan, *, max_read: int, gap: int, fill: bool = False) -> Schedule:
     if max_read <= 0:
         raise ValueError(f"max_read must be positive, got {max_read}")
+    if fill:
+        return _filled(plan, max_read, gap)
     per_file: list[list[ReadOp]] = [[] for _ in plan.files]
     empty: list[int] = []
     needed = 0
@@ -76,6 +81,35 @@ def schedule(plan: Plan, *, max_read: int, gap: int) -> Schedule:
             continue
         start, end = r_start, r_end
         pieces = [(index, 0, dst, nbytes)]
+    if pieces:
+        per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+    return _assemble(per_file, empty, needed)
+
+
+def _filled(plan: Plan, max_read: int, gap: int) -> Schedule:
+    """:func:`schedule` with ``fill``: each route's bytes go into the open read while it
+    has room (a neighbour within ``gap``), the rest opening the next read."""
+    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
+    empty: list[int] = []
+    needed = 0
+
+    start = end = 0
+    pieces: list[Piece] = []
+    current = -1
+    for index, f, at, nbytes, dst in _Columns(plan).sized(empty):
+        needed += nbytes
+        while nbytes:
+            if pieces and f == current and 0 <= at - end <= gap and at < start + max_read:
+                take = min(nbytes, start + max_read - at)
+                pieces.append((index, at - start, dst, take))
+            else:
+                if pieces:
+                    per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+                current, start = f, at
+                take = min(nbytes, max_read)
+                pieces = [(index, 0, dst, take)]
+            end = at + take
+            at, dst, nbytes = at + take, dst + take, nbytes - take
     if pieces:
         per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
     return _assemble(per_file, empty, needed)

@@ -12,6 +12,16 @@ bytes in flight whatever the checkpoint's size. The client waits with the GIL re
 ``preadv`` does; landing, progress, the ``read_timeout`` watch, cancellation (threads drained
 before the load returns) are the local load's, unchanged.
 
+Those responses should also be all the memory the load holds, and the C allocator decides
+that: the client collects each body into one buffer, allocated by the thread that waits for
+it, and with glibc an arena per thread keeps what that thread frees for reuse. Two choices
+make each thread reuse one buffer instead of accumulating several. The reads are cut at
+exactly ``request_size`` (``schedule(fill=True)``), so responses have one size and a freed
+one always fits the next. And a thread keeps its last response until the next one's headers
+have arrived, freeing it just before that body is collected: freed earlier, the small
+allocations of the request in between would be carved out of it, and the next body would
+no longer fit.
+
 A response cut short, a dropped connection or a 5xx is retried (``request_retries`` times,
 backoff doubling from 50 ms); the attempts and the waits between them share ``read_timeout``
 (the client enforces each attempt's share), so a server that stops answering fails the load
@@ -20,7 +30,9 @@ within ``read_timeout`` and no GET outlives the load's drain.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,9 +83,10 @@ class Remote:
         self._attempts, self._timeout = request_limits(options)
         self._copier = copier
         self._staging: StagingBuffers | None = None
+        self._held: list[Any] = []  # each thread's last response (see the module's docstring)
 
     def plan(self, sink: Sink, gap: int) -> Reads:
-        return Reads(schedule(sink.plan, max_read=self.read_size, gap=gap))
+        return Reads(schedule(sink.plan, max_read=self.read_size, gap=gap, fill=True))
 
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
         shards = sink.plan.files
@@ -88,9 +101,20 @@ class Remote:
                 self.staging_budget, self.workers, lambda size: staging_buffer(size, pin)
             )
 
+        held = self._held = [None] * self.workers
+        releases = [functools.partial(held.__setitem__, w, None) for w in range(self.workers)]
+
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
-            data = fetch(stores[op.file], shards[op.file], op.offset, op.nbytes, attempts, timeout)
+            data = fetch(
+                stores[op.file],
+                shards[op.file],
+                op.offset,
+                op.nbytes,
+                attempts,
+                timeout,
+                headers_arrived=releases[worker],  # frees this thread's last response
+            )
             response = response_tensor(data, op.nbytes)  # ``data`` lives until the copy returned
             if staging is None:
                 copy(op, response, worker)  # each byte written once, into its slot
@@ -98,6 +122,7 @@ class Remote:
                 with staging.use(worker) as buffer:
                     buffer[: op.nbytes].copy_(response)
                     copy(op, buffer, worker)  # returns once the buffer may be reused
+            held[worker] = data
             del data, response
             return op.nbytes
 
@@ -107,6 +132,8 @@ class Remote:
         return None if self._staging is None else self._staging.statistics()
 
     def close(self) -> None:
+        # After the threads drained (or, a read stuck, once it returned): none sets its slot.
+        self._held[:] = [None] * len(self._held)
         if self._staging is not None:
             self._staging.close()
 
@@ -148,11 +175,13 @@ def fetch(
     nbytes: int,
     attempts: int,
     timeout: float | None = None,
+    headers_arrived: Callable[[], None] | None = None,
 ) -> Any:
     """Bytes ``[offset, offset + nbytes)`` of the object ``shard``, in one ranged GET pinned
     to its ETag, retried ``attempts - 1`` times after a transient failure (``timeout``: the
-    seconds each attempt may take, as ``store`` enforces them; for the message). Returns the
-    client's buffer (it supports the buffer protocol)."""
+    seconds each attempt may take, as ``store`` enforces them; for the message;
+    ``headers_arrived``: called once an attempt's response headers came, before its body is
+    collected). Returns the client's buffer (it supports the buffer protocol)."""
     import obstore
 
     location = shard.source
@@ -169,6 +198,8 @@ def fetch(
             got = etag_of(result.meta)
             if location.etag is not None and got is not None and got != location.etag:
                 raise _changed(shard, got)
+            if headers_arrived is not None:
+                headers_arrived()
             data = result.bytes()
         except FileChangedError:
             raise

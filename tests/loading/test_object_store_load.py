@@ -7,8 +7,11 @@ nothing left behind."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -99,6 +102,94 @@ async def test_requests_are_bounded_by_size_and_concurrency_and_pinned_to_the_ve
             if object_server.scheme == "gs":
                 assert object_server.pin_of(request) == source.version is not None
         assert proxy.most_open <= SMALL.request_concurrency + 1  # + the open's own
+        # Responses of one size, so that each I/O thread can reuse the one it freed (see
+        # _strategy_remote): each shard's payload is one run, cut at exactly request_size.
+        sizes: dict[tuple[str, str] | None, list[tuple[int, int]]] = {}
+        for request in gets:
+            assert request.range is not None
+            first, last = request.range
+            sizes.setdefault(object_server.key_of(request), []).append((first, last - first + 1))
+        for reads in sizes.values():
+            *full, (_, final) = sorted(reads)
+            assert [n for _, n in full] == [SMALL.request_size] * len(full)
+            assert 0 < final <= SMALL.request_size
+
+
+class _Responses:
+    """obstore's ranged GETs of a load, spied on: each response's body handed over as an
+    object whose lifetime can be watched, and what each I/O thread still held when its next
+    response's headers came, and when its body was collected."""
+
+    class Body(bytearray):  # a subclass: bytearray itself takes no weak references
+        pass
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import obstore
+
+        self.alive: list[weakref.ref[_Responses.Body]] = []
+        self.at_headers: list[bool] = []  # the thread's previous body alive: one per GET
+        self.at_body: list[bool] = []
+        self._last: dict[int, weakref.ref[_Responses.Body]] = {}
+        self._lock = threading.Lock()
+        get = obstore.get
+
+        def spied(store: object, key: str, *, options: object = None) -> object:
+            result = get(store, key, options=options)  # type: ignore[arg-type]
+            before = self._last.get(threading.get_ident())
+            with self._lock:
+                self.at_headers.append(before is not None and before() is not None)
+            return _Responses._Result(self, result, before)
+
+        monkeypatch.setattr(obstore, "get", spied)
+
+    class _Result:
+        def __init__(self, spy: _Responses, result: Any, before: Any) -> None:
+            self.meta, self._spy, self._result, self._before = result.meta, spy, result, before
+
+        def bytes(self) -> _Responses.Body:
+            spy = self._spy
+            body = _Responses.Body(self._result.bytes())
+            ref = weakref.ref(body)
+            with spy._lock:
+                spy.at_body.append(self._before is not None and self._before() is not None)
+                spy.alive.append(ref)
+            spy._last[threading.get_ident()] = ref
+            return body
+
+    def held(self) -> int:
+        return sum(ref() is not None for ref in self.alive)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.alive.clear()
+            self.at_headers.clear()
+            self.at_body.clear()
+
+
+async def test_each_thread_frees_its_response_when_the_next_ones_headers_arrive(
+    object_server: ObjectServer,
+    object_small: str,
+    small_checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An I/O thread keeps its last response until the next one's headers have come, and
+    frees it before collecting that body: never two of its own at once, and the allocator
+    can hand the freed buffer to the next body (freed earlier, the request's own small
+    allocations would be carved out of it; see _strategy_remote). None outlives the load."""
+    ckpt = _open(object_server, object_small)
+    p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+    spy = _Responses(monkeypatch)
+    for transfer in ("auto", "staged"):
+        spy.clear()
+        options = dataclasses.replace(SMALL, transfer=transfer)
+        async with await load(ckpt, p, options=options) as slabs:
+            assert spy.held() == 0
+            _bit_exact(slabs, small_checkpoint)
+        gets = len(spy.at_headers)
+        assert gets == len(spy.at_body) >= 2 * SMALL.request_concurrency
+        assert not any(spy.at_body)
+        # Every GET but each thread's first found that thread's last response still held.
+        assert sum(spy.at_headers) >= gets - SMALL.request_concurrency
 
 
 async def test_progress_readiness_and_reload_in_place(

@@ -110,6 +110,61 @@ def test_neighbours_coalesce_and_large_tensors_split(tmp_path: Path) -> None:
     check(p, s, 12, 0)
 
 
+# --- filled reads: the GETs of a load from object storage ----------------------------------------
+
+
+def check_filled(p: Plan, s: Schedule, max_read: int, gap: int) -> None:
+    """Every byte once (as for any schedule), and a read shorter than ``max_read`` ends its
+    run: the next read of its file could not have continued it (beyond ``gap``, at or past
+    the cut, or overlapping it)."""
+    check(p, s, max_read, gap)
+    by_file: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for op in s.ops:
+        by_file[op.file].append((op.offset, op.nbytes))
+    for reads in by_file.values():
+        for (offset, nbytes), (following, _) in zip(reads, reads[1:], strict=False):
+            if nbytes < max_read:
+                after = following - (offset + nbytes)
+                assert after > gap or after < 0 or following >= offset + max_read
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(
+    files=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=3),
+    max_read=st.integers(1, 64),
+    gap=st.integers(0, 16),
+    drop=st.sets(st.integers(0, 40), max_size=8),
+)
+def test_property_filled_reads_every_byte_once_each_run_cut_at_max_read(
+    files: list[list[int]], max_read: int, gap: int, drop: set[int]
+) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        ck = checkpoint_of(Path(d), files)
+        ignored = [name for k, name in enumerate(ck.tensors) if k in drop]
+        p = plan(ck, ignore=ignored) if ignored else plan(ck)
+        check_filled(p, schedule(p, max_read=max_read, gap=gap, fill=True), max_read, gap)
+
+
+def test_filled_reads_split_the_tensor_across_the_cut(tmp_path: Path) -> None:
+    ck = checkpoint_of(tmp_path, [[4, 4, 4, 20]])
+    p = plan(ck)
+    s = schedule(p, max_read=10, gap=0, fill=True)
+    start = ck.files[0].data_start
+    cuts = [(op.offset - start, op.nbytes, [(r, n) for r, _, _, n in op.pieces]) for op in s.ops]
+    assert cuts == [
+        (0, 10, [(0, 4), (1, 4), (2, 2)]),  # the third tensor's first 2 bytes
+        (10, 10, [(2, 2), (3, 8)]),  # its last 2, and the 20-byte one's first 8
+        (20, 10, [(3, 10)]),
+        (30, 2, [(3, 2)]),  # the run's last read: short
+    ]
+    check_filled(p, s, 10, 0)
+    overlapped, _ = overlapping(tmp_path / "overlapping")
+    for gap in (0, 64):
+        check_filled(
+            overlapped, schedule(overlapped, max_read=1 << 20, gap=gap, fill=True), 1 << 20, gap
+        )
+
+
 # --- windows: the reads of a mapped load ---------------------------------------------------------
 
 
