@@ -53,11 +53,11 @@ __all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
 #: generation config, chat template) is fetched.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
-#: From object storage, the GETs in flight unless the caller sets them: 8 of 4 MiB (the
-#: loader's default is 16 of 8 MiB). Each client thread's freed response buffers stay in its
-#: malloc arena, so what stays resident grows with the threads as much as with the bytes in
-#: flight; this keeps a load's peak within the parameters + 128 MiB.
-OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_size": 4 << 20}
+#: From object storage, the GETs in flight unless the caller sets them: 8 of 8 MiB (the
+#: loader's default is 16). What a load holds beyond the parameters is this path's own
+#: ~40-60 MiB plus the responses in flight, so 16 x 8 MiB would break the promise of at most
+#: the parameters + 128 MiB; 8 were as fast on the models measured (docs/transformers.md).
+OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_size": 8 << 20}
 
 
 @dataclass(frozen=True, slots=True)
