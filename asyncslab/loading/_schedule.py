@@ -54,41 +54,6 @@ class Schedule:
 def schedule(plan: Plan, *, max_read: int, gap: int, fill: bool = False) -> Schedule:
     if max_read <= 0:
         raise ValueError(f"max_read must be positive, got {max_read}")
-    if fill:
-        return _filled(plan, max_read, gap)
-    per_file: list[list[ReadOp]] = [[] for _ in plan.files]
-    empty: list[int] = []
-    needed = 0
-
-    start = end = 0
-    pieces: list[Piece] = []
-    current = -1
-    for index, f, r_start, nbytes, dst in _Columns(plan).sized(empty):
-        needed += nbytes
-        r_end = r_start + nbytes
-        if pieces and f == current and 0 <= r_start - end <= gap and r_end - start <= max_read:
-            pieces.append((index, r_start - start, dst, nbytes))
-            end = r_end
-            continue
-        if pieces:
-            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-            pieces = []
-        current = f
-        if nbytes > max_read:
-            for chunk in range(0, nbytes, max_read):
-                n = min(max_read, nbytes - chunk)
-                per_file[f].append(ReadOp(f, r_start + chunk, n, ((index, 0, dst + chunk, n),)))
-            continue
-        start, end = r_start, r_end
-        pieces = [(index, 0, dst, nbytes)]
-    if pieces:
-        per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-    return _assemble(per_file, empty, needed)
-
-
-def _filled(plan: Plan, max_read: int, gap: int) -> Schedule:
-    """:func:`schedule` with ``fill``: each route's bytes go into the open read while it
-    has room (a neighbour within ``gap``), the rest opening the next read."""
     per_file: list[list[ReadOp]] = [[] for _ in plan.files]
     empty: list[int] = []
     needed = 0
@@ -98,18 +63,31 @@ def _filled(plan: Plan, max_read: int, gap: int) -> Schedule:
     current = -1
     for index, f, at, nbytes, dst in _Columns(plan).sized(empty):
         needed += nbytes
+        if pieces and f == current and 0 <= at - end <= gap and at + nbytes - start <= max_read:
+            pieces.append((index, at - start, dst, nbytes))  # most routes: joins whole
+            end = at + nbytes
+            continue
+        chunked = nbytes > max_read
         while nbytes:
-            if pieces and f == current and 0 <= at - end <= gap and at < start + max_read:
-                take = min(nbytes, start + max_read - at)
-                pieces.append((index, at - start, dst, take))
-            else:
-                if pieces:
-                    per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
-                current, start = f, at
-                take = min(nbytes, max_read)
-                pieces = [(index, 0, dst, take)]
+            room = start + max_read - at
+            # A neighbour joins the open read whole, or with ``fill`` as much as fits.
+            if pieces and f == current and 0 <= at - end <= gap and (nbytes <= room or fill):
+                take = min(nbytes, room)
+                if take > 0:
+                    pieces.append((index, at - start, dst, take))
+                    end = at + take
+                    at, dst, nbytes = end, dst + take, nbytes - take
+                    continue
+            if pieces:
+                per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+            current, start = f, at
+            take = min(nbytes, max_read)
+            pieces = [(index, 0, dst, take)]
             end = at + take
-            at, dst, nbytes = at + take, dst + take, nbytes - take
+            at, dst, nbytes = end, dst + take, nbytes - take
+        if chunked and not fill:  # a large tensor's chunks are reads of their own
+            per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
+            pieces = []
     if pieces:
         per_file[current].append(ReadOp(current, start, end - start, tuple(pieces)))
     return _assemble(per_file, empty, needed)

@@ -87,15 +87,18 @@ def check(p: Plan, s: Schedule, max_read: int, gap: int) -> None:
     gap=st.integers(0, 16),
     drop=st.sets(st.integers(0, 40), max_size=8),
 )
+@pytest.mark.parametrize("fill", [False, True])
 def test_property_schedule_reads_every_byte_once(
-    files: list[list[int]], max_read: int, gap: int, drop: set[int]
+    files: list[list[int]], max_read: int, gap: int, drop: set[int], fill: bool
 ) -> None:
+    """Filled (an object store's reads), each run is also cut at exactly ``max_read``."""
     with tempfile.TemporaryDirectory() as d:
         ck = checkpoint_of(Path(d), files)
         # Leave some tensors out of the plan, so that reads must skip or read through gaps.
         ignored = [name for k, name in enumerate(ck.tensors) if k in drop]
         p = plan(ck, ignore=ignored) if ignored else plan(ck)
-        check(p, schedule(p, max_read=max_read, gap=gap), max_read, gap)
+        s = schedule(p, max_read=max_read, gap=gap, fill=fill)
+        (check_filled if fill else check)(p, s, max_read, gap)
 
 
 def test_neighbours_coalesce_and_large_tensors_split(tmp_path: Path) -> None:
@@ -126,23 +129,6 @@ def check_filled(p: Plan, s: Schedule, max_read: int, gap: int) -> None:
             if nbytes < max_read:
                 after = following - (offset + nbytes)
                 assert after > gap or after < 0 or following >= offset + max_read
-
-
-@settings(max_examples=60, deadline=None, database=None)
-@given(
-    files=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12), min_size=1, max_size=3),
-    max_read=st.integers(1, 64),
-    gap=st.integers(0, 16),
-    drop=st.sets(st.integers(0, 40), max_size=8),
-)
-def test_property_filled_reads_every_byte_once_each_run_cut_at_max_read(
-    files: list[list[int]], max_read: int, gap: int, drop: set[int]
-) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        ck = checkpoint_of(Path(d), files)
-        ignored = [name for k, name in enumerate(ck.tensors) if k in drop]
-        p = plan(ck, ignore=ignored) if ignored else plan(ck)
-        check_filled(p, schedule(p, max_read=max_read, gap=gap, fill=True), max_read, gap)
 
 
 def test_filled_reads_split_the_tensor_across_the_cut(tmp_path: Path) -> None:
