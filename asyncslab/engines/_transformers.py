@@ -55,7 +55,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 #: From object storage, the GETs in flight unless the caller sets them: 8 of 8 MiB (the
 #: loader's default is 16). What a load holds beyond the parameters is this path's own
-#: ~40-60 MiB plus the responses in flight, so 16 x 8 MiB would break the promise of at most
+#: ~35-65 MiB plus the responses in flight, so 16 x 8 MiB would break the promise of at most
 #: the parameters + 128 MiB; 8 were as fast on the models measured (docs/transformers.md).
 OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_size": 8 << 20}
 
