@@ -20,13 +20,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from ..checkpoint import Checkpoint, ShardFile
 from ..loading import (
     LoadOptions,
-    byte_view,
     fetch,
+    host_copy,
     open_checked,
     pread_scatter,
     reads_objects,
@@ -148,8 +146,7 @@ class ObjectSegments:
     def _get(self, file: int, offset: int, nbytes: int, address: int) -> None:
         shard = self._shards[file]
         data = fetch(self._stores[file], shard, offset, nbytes, self._attempts, self._timeout)
-        target = torch.frombuffer(byte_view(address, nbytes), dtype=torch.uint8)
-        target.copy_(response_tensor(data, nbytes))  # ``data`` lives until it returned
+        host_copy(address, response_tensor(data, nbytes).data_ptr(), nbytes)  # ``data`` lives
 
     def close(self) -> None:
         self._gets.close()

@@ -5,6 +5,7 @@ Internal. What other stages use is imported from here, never from the private mo
 the public names are re-exported by ``asyncslab`` and its public modules."""
 
 from ._copy import direct_scatters as direct_scatters
+from ._copy import host_copy as host_copy
 from ._load import Load as Load
 from ._load import map_checked as map_checked
 from ._load import open_checked as open_checked
@@ -43,6 +44,7 @@ __all__ = [
     "byte_view",
     "direct_scatters",
     "fetch",
+    "host_copy",
     "is_closed",
     "load",
     "map_checked",

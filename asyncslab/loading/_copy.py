@@ -4,6 +4,9 @@ CPU target: no staging and no copy — :func:`read_direct` scatters the read str
 the slots' memory (the gaps between tensors go to a scratch buffer), so each byte is
 written once; :func:`direct_scatters` works out those destinations once per plan.
 
+CPU target, from object storage: :class:`HostCopier` copies each piece of a response with
+one ``memmove`` on the I/O thread, never with torch (see :func:`host_copy`).
+
 CUDA target: :class:`CudaCopier` copies from a pinned staging buffer into the slots on one
 of several streams, bytes as bytes (a ``uint8`` view on both sides, so no dtype conversion
 can ever happen), then waits on the event recorded after the copies — on the worker
@@ -13,6 +16,7 @@ thread, never on the event loop — before the buffer may be reused. A mapped re
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -28,6 +32,8 @@ __all__ = [
     "Copier",
     "CpuCopier",
     "CudaCopier",
+    "HostCopier",
+    "host_copy",
 ]
 
 
@@ -98,6 +104,33 @@ class CpuCopier:
         stream_index: int,
     ) -> None:
         _copy_pieces(op, buffer, route_bytes, route_base, non_blocking=False)
+
+
+class HostCopier:
+    """Copies out of a response or a staging buffer into host slabs, each piece by
+    :func:`host_copy` on the calling I/O thread: a load from object storage onto the CPU,
+    whose I/O threads (``request_concurrency``, 16 by default, not capped at the cores)
+    copy side by side."""
+
+    def copy(
+        self,
+        op: ReadOp,
+        buffer: torch.Tensor,
+        route_bytes: Sequence[torch.Tensor],
+        route_base: Sequence[int],
+        stream_index: int,
+    ) -> None:
+        source, available = buffer.data_ptr(), buffer.numel()
+        for route, read_offset, dst_offset, nbytes in op.pieces:
+            target = route_bytes[route]
+            start = route_base[route] + dst_offset
+            # Raw pointers from here on: a piece outside either tensor is refused, not written.
+            if read_offset + nbytes > available or start + nbytes > target.numel():
+                raise ValueError(
+                    f"a piece of {nbytes} bytes from offset {read_offset} of a {available}-byte "
+                    f"buffer into offset {start} of a {target.numel()}-byte slab"
+                )
+            host_copy(target.data_ptr() + start, source + read_offset, nbytes)
 
 
 class CudaCopier:
@@ -179,3 +212,20 @@ def _copy_each(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking
 
 # torch's list copy: one call, the loop over pieces in C++; private, hence the fallback.
 _copy_all: Callable[..., None] = getattr(torch, "_foreach_copy_", _copy_each)
+
+
+def host_copy(dst: int, src: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from address ``src`` to ``dst`` in host memory, on this thread alone,
+    the GIL released.
+
+    Not ``Tensor.copy_``: torch splits a copy larger than its grain (32 KiB) over its
+    intra-op OpenMP threads, and every I/O thread that does so gets a team of its own. With
+    torch's default of a thread per core, 16 I/O threads on a 16-core server would start 15
+    more each, hundreds of threads for copies the I/O threads already run side by side
+    (figures in docs/performance.md; test_host_copies_start_no_thread).
+    """
+    _memmove(dst, src, nbytes)
+
+
+# ctypes' memmove is a foreign call: the GIL is released for its duration.
+_memmove = ctypes.memmove

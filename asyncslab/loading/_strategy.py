@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._copy import Copier, CpuCopier, CudaCopier
+from ._copy import Copier, CpuCopier, CudaCopier, HostCopier
 from ._options import LoadOptions, resolve_transfer
 from ._sink import TransferStrategy
 from ._strategy_direct import Direct
@@ -25,7 +25,10 @@ def choose(
     name = resolve_transfer(options.transfer, device)
     if name == "direct" and not objects:
         return Direct(options)
-    copier: Copier = CudaCopier(device, options.streams) if device.type == "cuda" else CpuCopier()
+    if device.type == "cuda":
+        copier: Copier = CudaCopier(device, options.streams)
+    else:
+        copier = HostCopier() if objects else CpuCopier()
     if objects:
         return Remote(options, device, copier)
     if name == "staged":

@@ -5,7 +5,8 @@ The same coalesced reads as a local load, cut at ``LoadOptions.request_size``, e
 by one GET pinned to the ETag recorded when the checkpoint was opened (``If-Match``, and the
 ETag of every response checked too). ``request_concurrency`` I/O threads each take the next
 read themselves (``_read.ReadFeed``), fetch it, and write the response once: for host slabs
-straight into the slots of the read (one copy out of the client's buffer), for a CUDA target
+straight into the slots of the read (one copy out of the client's buffer, by ``memmove`` on
+the thread: ``_copy.HostCopier``), for a CUDA target
 into the thread's own pinned staging buffer, then to the device (``_copy``). So at most
 ``request_concurrency`` responses of at most ``request_size`` bytes are held at once, the
 bytes in flight whatever the checkpoint's size. The client waits with the GIL released, as
@@ -41,7 +42,7 @@ import torch
 from ..checkpoint import ShardFile, client, etag_of, failure_kind, pinned, redacted
 from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
 from ..planning import Plan
-from ._copy import Copier
+from ._copy import Copier, host_copy
 from ._options import LoadOptions
 from ._pinned import StagingBuffers, StagingStatistics, staging_budget
 from ._read import byte_view
@@ -120,7 +121,11 @@ class Remote:
                 copy(op, response, worker)  # each byte written once, into its slot
             else:
                 with staging.use(worker) as buffer:
-                    buffer[: op.nbytes].copy_(response)
+                    if op.nbytes > buffer.numel():  # the copy writes through a raw pointer
+                        raise ValueError(
+                            f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer"
+                        )
+                    host_copy(buffer.data_ptr(), response.data_ptr(), op.nbytes)
                     copy(op, buffer, worker)  # returns once the buffer may be reused
             held[worker] = data
             del data, response

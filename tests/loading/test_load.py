@@ -984,3 +984,67 @@ async def test_fp8_fnuz_tensors_load_bit_exact(tmp_path: Path, name: str) -> Non
             assert got.dtype == dtype
             assert got.shape == t.shape
             assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads threads' names in /proc")
+@pytest.mark.parametrize("copier", ["HostCopier", "CpuCopier"])
+async def test_host_copies_start_no_thread(copier: str) -> None:
+    """An I/O thread of a load from object storage onto the CPU copies a response's pieces
+    itself (HostCopier, host_copy): with torch's intra-op threads at 4, it starts no thread.
+    The control, torch's copy of the same pieces (CpuCopier), starts an OpenMP team for the
+    calling thread where torch runs on OpenMP. Threads are told apart by name: a new thread
+    inherits its creator's."""
+    if copier == "CpuCopier" and not torch.backends.openmp.is_available():
+        pytest.skip("torch without OpenMP: no team to start")
+    from asyncslab.loading._schedule import ReadOp
+
+    mib = 1 << 20
+    buffer = torch.randint(0, 256, (2 * mib,), dtype=torch.uint8)
+    backing = torch.zeros(4 * mib, dtype=torch.uint8)
+    op = ReadOp(file=0, offset=0, nbytes=2 * mib, pieces=((0, 0, 0, mib), (1, mib, 4096, mib)))
+    name = f"copytest{os.getpid() % 10000}"
+    named: list[int] = []
+
+    def copy() -> None:
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name)
+        getattr(copy_module, copier)().copy(op, buffer, [backing, backing], [0, 2 * mib], 0)
+        # Counted while this thread lives: a team stays with the thread that started it.
+        named.append(sum(1 for t in Path("/proc/self/task").iterdir() if _comm(t) == name))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        worker = threading.Thread(target=copy)
+        worker.start()
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    if copier == "HostCopier":
+        assert named == [1]
+    else:
+        assert named[0] > 1
+    assert torch.equal(backing[:mib], buffer[:mib])
+    assert torch.equal(backing[2 * mib + 4096 : 3 * mib + 4096], buffer[mib:])
+    assert int(backing[mib : 2 * mib + 4096].count_nonzero()) == 0
+
+
+def _comm(task: Path) -> str | None:
+    try:
+        return (task / "comm").read_text().strip()
+    except OSError:  # the thread ended meanwhile
+        return None
+
+
+async def test_a_host_copy_outside_its_buffer_or_slab_is_refused_not_written() -> None:
+    from asyncslab.loading._schedule import ReadOp
+
+    buffer = torch.ones(64, dtype=torch.uint8)
+    backing = torch.zeros(128, dtype=torch.uint8)
+    copier = copy_module.HostCopier()
+    past_buffer = ReadOp(file=0, offset=0, nbytes=64, pieces=((0, 32, 0, 33),))
+    with pytest.raises(ValueError, match="33 bytes from offset 32 of a 64-byte buffer"):
+        copier.copy(past_buffer, buffer, [backing], [0], 0)
+    past_slab = ReadOp(file=0, offset=0, nbytes=64, pieces=((0, 0, 100, 29),))
+    with pytest.raises(ValueError, match="into offset 100 of a 128-byte slab"):
+        copier.copy(past_slab, buffer, [backing], [0], 0)
+    assert int(backing.count_nonzero()) == 0

@@ -192,6 +192,53 @@ async def test_each_thread_frees_its_response_when_the_next_ones_headers_arrive(
         assert sum(spy.at_headers) >= gets - SMALL.request_concurrency
 
 
+async def test_io_threads_copy_responses_without_torch(
+    object_server: ObjectServer,
+    object_small: str,
+    small_checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Onto the CPU, direct or staged, every response is copied by ``host_copy`` on its I/O
+    thread, never by a torch copy (whose OpenMP team per thread
+    ``test_host_copies_start_no_thread`` shows); the slabs are bit-exact."""
+    from asyncslab.loading import _copy, _strategy_remote
+
+    torch_copies: list[str] = []
+    host_copies: list[str] = []
+    real_copy_ = torch.Tensor.copy_
+    real_host = _copy.host_copy
+
+    def spied_copy_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        torch_copies.append(threading.current_thread().name)
+        return real_copy_(self, *args, **kwargs)
+
+    def spied_host(dst: int, src: int, nbytes: int) -> None:
+        host_copies.append(threading.current_thread().name)
+        real_host(dst, src, nbytes)
+
+    real_all = _copy._copy_all
+
+    def spied_all(dst: Any, src: Any, **kwargs: Any) -> None:
+        torch_copies.append(threading.current_thread().name)
+        real_all(dst, src, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spied_copy_)
+    monkeypatch.setattr(_copy, "_copy_all", spied_all)
+    monkeypatch.setattr(_copy, "host_copy", spied_host)
+    monkeypatch.setattr(_strategy_remote, "host_copy", spied_host)
+    ckpt = _open(object_server, object_small)
+    p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+    for transfer in ("auto", "staged"):
+        torch_copies.clear()
+        host_copies.clear()
+        options = dataclasses.replace(SMALL, transfer=transfer)
+        async with await load(ckpt, p, options=options) as slabs:
+            _bit_exact(slabs, small_checkpoint)
+        assert not [name for name in torch_copies if name.startswith("asyncslab-io")]
+        assert host_copies
+        assert all(name.startswith("asyncslab-io") for name in host_copies)
+
+
 async def test_progress_readiness_and_reload_in_place(
     s3_server: SeaweedServer, s3_small: str, small_checkpoint: SyntheticCheckpoint
 ) -> None:
