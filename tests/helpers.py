@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib.util
 import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -287,3 +289,15 @@ async def cancel_somewhere(
 CANCEL_MODES = [
     "task.cancel", "landed", "delay", "double-cancel", "outer-task", "timeout", "aclose",
 ]  # fmt: skip
+
+
+def benchmark_script(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (registered, as dataclasses need)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

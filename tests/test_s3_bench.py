@@ -3,7 +3,6 @@ with a latency and a rate per connection), and its quick mode end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import benchmark_script
 from tests.s3server import FaultProxy, SeaweedServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,24 +46,12 @@ def test_the_proxy_adds_its_latency_and_caps_the_rate(s3_server: SeaweedServer) 
     assert elapsed >= 0.6  # 600 kB at 1 MB/s
 
 
-def _script() -> Any:
-    """``benchmarks/s3_bench.py`` as a module."""
-    path = ROOT / "benchmarks" / "s3_bench.py"
-    spec = importlib.util.spec_from_file_location("bench_s3_bench", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_raw_bound_is_the_one_with_the_lower_median_not_each_rounds_minimum() -> None:
     """Two raw bounds as fast as asyncslab but each noisy in its own rounds: against the bound
     with the lower median, paired, asyncslab takes 1.0x; against the faster bound of each
     round it would seem slower (the minimum of two noisy times is biased low), and that
     statistic is shown beside the target, not judged."""
-    bench = _script()
+    bench = benchmark_script("s3_bench")
     times = {  # round: (asyncslab, raw-bound, raw-bound-threads)
         0: (2.0, 2.0, 1.8),
         1: (2.1, 1.9, 2.1),
