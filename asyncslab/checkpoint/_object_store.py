@@ -284,6 +284,9 @@ def failure_kind(err: BaseException) -> str:
         UnauthenticatedError,
     )
 
+    kind = getattr(err, "kind", None)  # a presigned GET's status (loading/_presigned)
+    if kind in _KINDS:
+        return str(kind)
     if isinstance(err, PreconditionError):
         return "changed"
     if isinstance(err, (NotFoundError, FileNotFoundError)):
@@ -299,6 +302,8 @@ def failure_kind(err: BaseException) -> str:
         return "timeout"
     return "transient"
 
+
+_KINDS = frozenset({"changed", "missing", "denied", "timeout", "transient"})
 
 #: What a refused request's message tells the user to check, by scheme.
 _CREDENTIALS = {

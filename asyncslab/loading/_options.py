@@ -67,7 +67,10 @@ class LoadOptions:
     storage (``s3://``) is read with ranged GETs of at most ``request_size`` bytes,
     ``request_concurrency`` in flight (so at most their product is held in memory at once),
     each retried ``request_retries`` times after a transient failure, all within
-    ``read_timeout`` (docs/object-storage.md).
+    ``read_timeout`` (docs/object-storage.md). ``presigned_gets``: an ``s3://`` or ``az://``
+    store that can sign has obstore presign each object's URL, and the standard library's
+    HTTP client read each body straight into its slots; False makes every GET through
+    obstore.
     """
 
     io_workers: int = 4
@@ -84,6 +87,7 @@ class LoadOptions:
     request_size: int = 8 << 20
     request_concurrency: int = 16
     request_retries: int = 3
+    presigned_gets: bool = True
 
     def __post_init__(self) -> None:
         # Checked here, not deep in a load: a float count or size would fail there as a bare
@@ -134,6 +138,9 @@ class LoadOptions:
             raise ValueError("LoadOptions.progress_interval must be a finite number >= 0")
         if self.max_bytes_per_s is not None and not self.max_bytes_per_s > 0:  # NaN too
             raise ValueError("LoadOptions.max_bytes_per_s must be positive")
+        if not isinstance(self.presigned_gets, bool):
+            got = self.presigned_gets
+            raise TypeError(f"LoadOptions.presigned_gets must be a bool, got {got!r}")
         if self.transfer not in _TRANSFERS:
             raise ValueError(
                 f"LoadOptions.transfer must be one of {', '.join(_TRANSFERS)}, "

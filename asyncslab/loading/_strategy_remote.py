@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -42,15 +42,26 @@ import torch
 from ..checkpoint import ShardFile, client, etag_of, failure_kind, pinned, redacted
 from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
 from ..planning import Plan
-from ._copy import Copier, host_copy
+from ._copy import Copier, direct_scatters, host_copy
 from ._options import LoadOptions
 from ._pinned import StagingBuffers, StagingStatistics, staging_budget
+from ._presigned import Connections, Signer, get_into, signer_of
 from ._read import byte_view
-from ._schedule import schedule
+from ._schedule import ReadOp, schedule
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
 from ._strategy_staged import staging_buffer
 
-__all__ = ["Remote", "fetch", "reads_objects", "request_limits", "response_tensor", "store_of"]
+__all__ = [
+    "Remote",
+    "fetch",
+    "fetch_into",
+    "reads_objects",
+    "request_limits",
+    "response_tensor",
+    "store_of",
+]
+
+_T = TypeVar("_T")
 
 _BACKOFF_S = 0.05
 _BACKOFF_MAX_S = 1.0
@@ -83,16 +94,33 @@ class Remote:
             self.read_size = self.staging_budget // self.workers
         self._attempts, self._timeout = request_limits(options)
         self._copier = copier
+        self._presigned = options.presigned_gets
         self._staging: StagingBuffers | None = None
+        self._connections: Connections | None = None
         self._held: list[Any] = []  # each thread's last response (see the module's docstring)
 
     def plan(self, sink: Sink, gap: int) -> Reads:
-        return Reads(schedule(sink.plan, max_read=self.read_size, gap=gap, fill=True))
+        sched = schedule(sink.plan, max_read=self.read_size, gap=gap, fill=True)
+        # A presigned GET onto the CPU reads its body straight into the slots, as a local
+        # direct read. Worked out whatever the options: a SlabSet keeps one read plan per
+        # transfer, read size and gap, and the next load's options may differ.
+        scratch = torch.empty(max(1, gap), dtype=torch.uint8)
+        scatters = direct_scatters(sched.ops, sink.addresses(), scratch.data_ptr())
+        return Reads(sched, scatters, scratch)
 
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
         shards = sink.plan.files
         stores = [store_of(shard, self._timeout) for shard in shards]
-        ops, paths = reads.schedule.ops, files.paths
+        ops, paths, scatters = reads.schedule.ops, files.paths, reads.scatters
+        signers: list[Signer | None] = [None] * len(shards)
+        if self._presigned:
+            by_store: dict[int, Signer | None] = {}
+            for i, (shard, store) in enumerate(zip(shards, stores, strict=True)):
+                if id(store) not in by_store:
+                    by_store[id(store)] = signer_of(shard, store)
+                signers[i] = by_store[id(store)]
+        keys = [shard.source.key if shard.source is not None else "" for shard in shards]
+        connections = self._connections = Connections(self.workers)
         attempts, timeout = self._attempts, self._timeout
         copy = named_copy(self._copier.copy, sink, paths)
         staging = None
@@ -107,6 +135,10 @@ class Remote:
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
+            shard, signer = shards[op.file], signers[op.file]
+            if signer is not None and signer.signs(keys[op.file]):
+                presigned_read(worker, op, index, shard, signer)
+                return op.nbytes
             data = fetch(
                 stores[op.file],
                 shards[op.file],
@@ -131,6 +163,25 @@ class Remote:
             del data, response
             return op.nbytes
 
+        def presigned_read(
+            worker: int, op: ReadOp, index: int, shard: ShardFile, signer: Signer
+        ) -> None:
+            fetch_body = functools.partial(
+                fetch_into, connections, worker, signer, stores[op.file], shard, op.offset
+            )
+            if staging is None:
+                assert scatters is not None
+                iov = scatters[index].iov
+                fetch_body(tuple(zip(iov[0::2], iov[1::2], strict=True)), attempts, timeout)
+                return
+            with staging.use(worker) as buffer:
+                if op.nbytes > buffer.numel():  # the body is read through a raw pointer
+                    raise ValueError(
+                        f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer"
+                    )
+                fetch_body(((buffer.data_ptr(), op.nbytes),), attempts, timeout)
+                copy(op, buffer, worker)
+
         return read_one
 
     def staging(self) -> StagingStatistics | None:
@@ -139,6 +190,8 @@ class Remote:
     def close(self) -> None:
         # After the threads drained (or, a read stuck, once it returned): none sets its slot.
         self._held[:] = [None] * len(self._held)
+        if self._connections is not None:
+            self._connections.close()
         if self._staging is not None:
             self._staging.close()
 
@@ -192,20 +245,70 @@ def fetch(
     location = shard.source
     assert location is not None
     options = pinned(location, offset, offset + nbytes)
+
+    def attempt() -> Any:
+        result = obstore.get(store, location.key, options=options)
+        _check_etag(shard, etag_of(result.meta))
+        if headers_arrived is not None:
+            headers_arrived()
+        data = result.bytes()
+        if len(data) != nbytes:
+            raise ValueError(f"the response held {len(data)} of {nbytes} bytes")
+        return data
+
+    return _retried(attempt, store, shard, offset, nbytes, attempts, timeout)
+
+
+def fetch_into(
+    connections: Connections,
+    worker: int,
+    signer: Signer,
+    store: Any,
+    shard: ShardFile,
+    offset: int,
+    regions: Sequence[tuple[int, int]],
+    attempts: int,
+    timeout: float | None = None,
+) -> None:
+    """:func:`fetch`'s twin for a presigned GET (``_presigned``): the body read into
+    ``regions`` (``(address, nbytes)`` pairs, in order), each attempt on ``worker``'s
+    connection; the same retries and errors (``store``: to look up a changed object's
+    ETag)."""
+    nbytes = sum(size for _, size in regions)
+
+    def attempt() -> None:
+        _check_etag(shard, get_into(connections, worker, signer, shard, offset, regions, timeout))
+
+    _retried(attempt, store, shard, offset, nbytes, attempts, timeout)
+
+
+def _check_etag(shard: ShardFile, got: str | None) -> None:
+    expected = shard.source.etag if shard.source is not None else None
+    if expected is not None and got is not None and got != expected:
+        raise _changed(shard, got)
+
+
+def _retried(
+    attempt: Callable[[], _T],
+    store: Any,
+    shard: ShardFile,
+    offset: int,
+    nbytes: int,
+    attempts: int,
+    timeout: float | None,
+) -> _T:
+    """``attempt()``'s result, retried ``attempts - 1`` times after a transient failure
+    (backoff doubling from 50 ms); a changed, missing or refused object ends at once."""
+    location = shard.source
+    assert location is not None
     span = f"bytes {offset}-{offset + nbytes - 1}"
     last: Exception | None = None
     kind = "transient"
-    for attempt in range(attempts):
-        if attempt:
-            time.sleep(_backoff(attempt))
+    for number in range(attempts):
+        if number:
+            time.sleep(_backoff(number))
         try:
-            result = obstore.get(store, location.key, options=options)
-            got = etag_of(result.meta)
-            if location.etag is not None and got is not None and got != location.etag:
-                raise _changed(shard, got)
-            if headers_arrived is not None:
-                headers_arrived()
-            data = result.bytes()
+            return attempt()
         except FileChangedError:
             raise
         except Exception as err:
@@ -219,10 +322,6 @@ def fetch(
                     offset=offset,
                 ) from None
             last = err
-            continue
-        if len(data) == nbytes:
-            return data
-        kind, last = "transient", ValueError(f"the response held {len(data)} of {nbytes} bytes")
     why = redacted(str(last), location.store)
     if kind == "timeout":
         each = "" if timeout is None else f" of at most {timeout:.3g} s each, within read_timeout"

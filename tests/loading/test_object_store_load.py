@@ -23,6 +23,7 @@ from asyncslab.errors import FileChangedError, IncompleteLoadError, ReadError, R
 from asyncslab.testing import SyntheticCheckpoint
 from tests.conftest import ObjectServer
 from tests.helpers import assert_units_all_or_nothing, until, wait_io_threads_gone
+from tests.object_servers import AZURE_ACCOUNT, PUBLIC_CONTAINER, AzuriteServer
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.asyncio
@@ -60,13 +61,24 @@ def proxied_s3(
         yield proxy, ckpt, asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
 
 
+@pytest.fixture(params=["presigned", "obstore"])
+def gets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a load makes its GETs (``loading/_presigned``): presigned URLs read straight
+    into the slots where the store signs (``s3://``, ``az://``), or obstore, forced here."""
+    from asyncslab.loading import _strategy_remote
+
+    if request.param == "obstore":
+        monkeypatch.setattr(_strategy_remote, "signer_of", lambda shard, store: None)
+    return str(request.param)
+
+
 def _bit_exact(slabs: SlabSet, local: SyntheticCheckpoint) -> None:
     complete, incomplete = assert_units_all_or_nothing(slabs, Checkpoint.open(local.root))
     assert (complete, incomplete) == (len(slabs.plan.units), 0)
 
 
 async def test_a_load_from_each_store_lands_bit_exact_direct_and_staged(
-    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint
+    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     ckpt = _open(object_server, object_small)
     p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
@@ -82,7 +94,7 @@ async def test_a_load_from_each_store_lands_bit_exact_direct_and_staged(
 
 
 async def test_requests_are_bounded_by_size_and_concurrency_and_pinned_to_the_version(
-    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint
+    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     with object_server.proxy() as proxy:
         ckpt = _open(object_server, object_small, proxy.endpoint)
@@ -113,6 +125,94 @@ async def test_requests_are_bounded_by_size_and_concurrency_and_pinned_to_the_ve
             *full, (_, final) = sorted(reads)
             assert [n for _, n in full] == [SMALL.request_size] * len(full)
             assert 0 < final <= SMALL.request_size
+
+
+#: What a presigned URL's query carries, by scheme (S3's signature, an Azure SAS's).
+_SIGNED_QUERY = {"s3": "X-Amz-Signature=", "az": "sig="}
+
+
+async def test_s3_and_azure_gets_are_presigned_and_their_bodies_land_without_a_copy(
+    object_server: ObjectServer,
+    object_small: str,
+    small_checkpoint: SyntheticCheckpoint,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the store signs, each payload GET names a presigned URL and carries no
+    credentials of its own, and onto the CPU its body is read straight into the slots: no
+    obstore GET, no copy. ``gs://``, and ``presigned_gets=False``, go through obstore."""
+    import obstore
+
+    from asyncslab.loading import _copy
+
+    obstore_gets: list[str] = []
+    copies: list[int] = []
+    real_get, real_copy = obstore.get, _copy.host_copy
+
+    def spied_get(store: object, key: str, *, options: Any = None) -> Any:
+        obstore_gets.append(key)
+        return real_get(store, key, options=options)  # type: ignore[arg-type]
+
+    def spied_copy(dst: int, src: int, nbytes: int) -> None:
+        copies.append(nbytes)
+        real_copy(dst, src, nbytes)
+
+    monkeypatch.setattr(obstore, "get", spied_get)
+    monkeypatch.setattr(_copy, "host_copy", spied_copy)
+    signed = _SIGNED_QUERY.get(object_server.scheme)
+    with object_server.proxy() as proxy:
+        ckpt = _open(object_server, object_small, proxy.endpoint)
+        p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+        for presigned in (True, False):
+            obstore_gets.clear()
+            copies.clear()
+            proxy.requests.clear()
+            options = dataclasses.replace(SMALL, presigned_gets=presigned)
+            async with await load(ckpt, p, options=options) as slabs:
+                _bit_exact(slabs, small_checkpoint)
+            payload = proxy.matching(_payload)
+            assert payload
+            if presigned and signed is not None:
+                assert all(signed in r.query and "authorization" not in r.headers for r in payload)
+                assert obstore_gets == []
+                assert copies == []
+            else:
+                assert not any(signed and signed in r.query for r in payload)
+                assert len(obstore_gets) >= len(payload)
+                assert sum(copies) == p.nbytes
+
+
+async def test_a_store_that_cannot_sign_is_read_through_obstore(
+    az_server: AzuriteServer, small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An anonymous reader of a public container has nothing to sign with, and an
+    ``HTTPS_PROXY`` is one the standard library's client would not use: both loads go
+    through obstore, bit-exact."""
+    for path in sorted(small_checkpoint.root.rglob("*")):
+        if path.is_file():
+            key = f"unsigned/{path.relative_to(small_checkpoint.root).as_posix()}"
+            for bucket in (PUBLIC_CONTAINER, "models"):
+                az_server.put(key, path.read_bytes(), bucket=bucket)
+    anonymous = {
+        "skip_signature": True,
+        "account_name": AZURE_ACCOUNT,
+        "endpoint": f"{az_server.endpoint}/{AZURE_ACCOUNT}",
+    }
+    with az_server.proxy() as proxy:
+        endpoint = {"endpoint": f"{proxy.endpoint}/{AZURE_ACCOUNT}"}
+        public = Checkpoint.open(
+            f"az://{PUBLIC_CONTAINER}/unsigned", storage_options={**anonymous, **endpoint}
+        )
+        private = _open(az_server, "az://models/unsigned", proxy.endpoint)
+        for ckpt, proxy_env in ((public, None), (private, "http://127.0.0.1:9")):
+            if proxy_env is not None:
+                monkeypatch.setenv("HTTPS_PROXY", proxy_env)
+            proxy.requests.clear()
+            p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+            async with await load(ckpt, p, options=SMALL) as slabs:
+                _bit_exact(slabs, small_checkpoint)
+            payload = proxy.matching(_payload)
+            assert payload
+            assert not any(_SIGNED_QUERY["az"] in r.query for r in payload)
 
 
 class _Responses:
@@ -181,7 +281,7 @@ async def test_each_thread_frees_its_response_when_the_next_ones_headers_arrive(
     spy = _Responses(monkeypatch)
     for transfer in ("auto", "staged"):
         spy.clear()
-        options = dataclasses.replace(SMALL, transfer=transfer)
+        options = dataclasses.replace(SMALL, transfer=transfer, presigned_gets=False)
         async with await load(ckpt, p, options=options) as slabs:
             assert spy.held() == 0
             _bit_exact(slabs, small_checkpoint)
@@ -198,8 +298,8 @@ async def test_io_threads_copy_responses_without_torch(
     small_checkpoint: SyntheticCheckpoint,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Onto the CPU, direct or staged, every response is copied by ``host_copy`` on its I/O
-    thread, never by a torch copy (whose OpenMP team per thread
+    """Onto the CPU, direct or staged, every response obstore collects is copied by
+    ``host_copy`` on its I/O thread, never by a torch copy (whose OpenMP team per thread
     ``test_host_copies_start_no_thread`` shows); the slabs are bit-exact."""
     from asyncslab.loading import _copy, _strategy_remote
 
@@ -231,7 +331,7 @@ async def test_io_threads_copy_responses_without_torch(
     for transfer in ("auto", "staged"):
         torch_copies.clear()
         host_copies.clear()
-        options = dataclasses.replace(SMALL, transfer=transfer)
+        options = dataclasses.replace(SMALL, transfer=transfer, presigned_gets=False)
         async with await load(ckpt, p, options=options) as slabs:
             _bit_exact(slabs, small_checkpoint)
         assert not [name for name in torch_copies if name.startswith("asyncslab-io")]
@@ -269,7 +369,7 @@ async def test_progress_readiness_and_reload_in_place(
 
 
 async def test_an_object_replaced_after_planning_is_refused_naming_it(
-    object_server: ObjectServer, small_checkpoint: SyntheticCheckpoint
+    object_server: ObjectServer, small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     g = torch.Generator().manual_seed(0)
     tensors = {f"w{i}": torch.randn(64, 64, generator=g) for i in range(4)}
@@ -298,7 +398,7 @@ async def test_an_object_replaced_after_planning_is_refused_naming_it(
 
 
 async def test_a_body_cut_mid_way_is_retried_and_lands_bit_exact(
-    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     proxy, ckpt, p = proxied
     cut = proxy.add(Fault("cut", _payload, after=100, times=3))
@@ -308,7 +408,7 @@ async def test_a_body_cut_mid_way_is_retried_and_lands_bit_exact(
 
 
 async def test_a_body_cut_every_time_fails_naming_object_and_range(
-    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     proxy, ckpt, p = proxied
     proxy.add(Fault("cut", _payload, after=10, times=-1))
@@ -322,7 +422,7 @@ async def test_a_body_cut_every_time_fails_naming_object_and_range(
 
 
 async def test_a_server_that_stops_answering_fails_the_load_within_read_timeout(
-    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
+    proxied: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     proxy, ckpt, p = proxied
     proxy.add(Fault("stall", _payload, after=10, times=-1))
@@ -343,7 +443,9 @@ async def test_a_server_that_stops_answering_fails_the_load_within_read_timeout(
 
 
 async def test_cancelling_a_load_mid_way_leaves_no_thread_or_connection(
-    proxied_s3: tuple[FaultProxy, Checkpoint, Plan], small_checkpoint: SyntheticCheckpoint
+    proxied_s3: tuple[FaultProxy, Checkpoint, Plan],
+    small_checkpoint: SyntheticCheckpoint,
+    gets: str,
 ) -> None:
     proxy, ckpt, p = proxied_s3
     # The first payload GET goes through; every later one stalls after 10 bytes.
@@ -365,7 +467,7 @@ async def test_cancelling_a_load_mid_way_leaves_no_thread_or_connection(
 
 
 async def test_an_object_replaced_behind_a_server_ignoring_if_match_is_still_refused(
-    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint
+    object_server: ObjectServer, object_small: str, small_checkpoint: SyntheticCheckpoint, gets: str
 ) -> None:
     """The ETag of every response is checked too: a response of another version (a server
     that ignored If-Match, as fake-gcs-server does; the proxy sets its ETag) is refused."""
@@ -381,7 +483,7 @@ async def test_an_object_replaced_behind_a_server_ignoring_if_match_is_still_ref
 
 
 async def test_an_object_deleted_or_forbidden_during_a_load_is_a_clear_error(
-    proxied: tuple[FaultProxy, Checkpoint, Plan], object_server: ObjectServer
+    proxied: tuple[FaultProxy, Checkpoint, Plan], object_server: ObjectServer, gets: str
 ) -> None:
     proxy, ckpt, p = proxied
     proxy.add(Fault("status", _payload, status=403, times=-1))
@@ -404,7 +506,7 @@ async def test_an_object_deleted_or_forbidden_during_a_load_is_a_clear_error(
 
 
 async def test_aclose_during_a_load_from_s3_releases_everything(
-    proxied_s3: tuple[FaultProxy, Checkpoint, Plan],
+    proxied_s3: tuple[FaultProxy, Checkpoint, Plan], gets: str
 ) -> None:
     proxy, ckpt, p = proxied_s3
     first = threading.Event()
