@@ -20,7 +20,9 @@ reversed every other round):
 
 - library (every model): ``asyncslab.load`` from ``s3://`` into CPU memory with the default
   ``LoadOptions`` (``asyncslab bench``'s worker, its clock after opening and planning, which
-  is reported beside it); runai-model-streamer's ``SafetensorsStreamer`` on the same objects
+  is reported beside it), and ``asyncslab:obstore``, the same with every GET through obstore
+  (``presigned_gets=False``, as the only way before presigned GETs; not on GCS, never
+  signed for); runai-model-streamer's ``SafetensorsStreamer`` on the same objects
   with its defaults, each tensor copied into its slot (the worker's peer adapter; its clock
   includes its own header reads); two raw bounds: the same ranged GETs with obstore, same
   request size and concurrency, into one preallocated buffer, no bookkeeping, made by async
@@ -80,7 +82,14 @@ from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, up
 
 MiB = 1 << 20
 BUCKET = "models"
-LIBRARY = ("asyncslab", "runai-model-streamer", "tensorizer", "raw-bound", "raw-bound-threads")
+LIBRARY = (
+    "asyncslab",
+    "asyncslab:obstore",
+    "runai-model-streamer",
+    "tensorizer",
+    "raw-bound",
+    "raw-bound-threads",
+)
 #: The raw bounds: asyncslab is judged against the faster of them in each round.
 BOUNDS = ("raw-bound", "raw-bound-threads")
 VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
@@ -90,7 +99,7 @@ LINKS = ("local", "remote", "gcs", "azure")
 #: The links to the emulators (the Mixtral-like model only) and who runs there.
 EMULATED = {
     "gcs": ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads"),
-    "azure": ("asyncslab", "raw-bound", "raw-bound-threads"),
+    "azure": ("asyncslab", "asyncslab:obstore", "raw-bound", "raw-bound-threads"),
 }
 #: Where vLLM + asyncslab is to accept s3:// (issue 30, item 6); until then its row says so.
 VLLM_OBJECT_STORE_MODULE = "asyncslab.engines._vllm_object_store"
@@ -262,10 +271,14 @@ def child(contender: str, uri: str, link: Link, config: Path | None = None) -> d
     local directory, for a loader that reads only the payload from ``uri``)."""
     env = dict(os.environ, **dict(link.env))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    if contender in ("asyncslab", "runai-model-streamer"):
+    if contender in ("asyncslab", "asyncslab:obstore", "runai-model-streamer"):
         from asyncslab.cli._bench.worker import RESULT_MARK
 
-        task = {"contender": contender, "checkpoint": uri, "mode": "warm-fresh", "verify": 0}
+        name, _, via = contender.partition(":")
+        task: dict[str, Any] = {"contender": name, "checkpoint": uri, "mode": "warm-fresh"}
+        task["verify"] = 0
+        if via == "obstore":  # every GET through obstore, as before presigned GETs
+            task["options"] = {"presigned_gets": False}
         command = [sys.executable, "-m", "asyncslab.cli._bench.worker", json.dumps(task)]
         mark = RESULT_MARK
     else:
@@ -529,7 +542,7 @@ def table(rows: list[dict[str, Any]], link: str) -> list[str]:
             continue
         # The worker opens and plans for every contender (the peer's slots too); only
         # asyncslab's clock leaves that out.
-        shown = row["contender"] == "asyncslab" and row["open_plan_s"] is not None
+        shown = row["contender"].startswith("asyncslab") and row["open_plan_s"] is not None
         plan = f"{row['open_plan_s']:.2f} s" if shown else ""
         failed = f", {row['failed']} failed" if row["failed"] else ""
         lines.append(
@@ -560,6 +573,9 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
                 lines.append(
                     f"info  {where}: asyncslab / the faster raw bound of each round: {low:.2f}"
                 )
+            before = _paired(runs, link, model, "asyncslab", "asyncslab:obstore")
+            if before is not None:
+                lines.append(f"info  {where}: asyncslab / asyncslab:obstore: {before:.2f}")
             for contender in ("asyncslab", "vllm:asyncslab"):
                 row = by.get((link, model, contender))
                 if row is None:

@@ -112,7 +112,13 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     seen = {(r["link"], r["model"], r["contender"]): r for r in rows}
-    library = ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads")
+    library = (
+        "asyncslab",
+        "asyncslab:obstore",
+        "runai-model-streamer",
+        "raw-bound",
+        "raw-bound-threads",
+    )
     mixtral_only = ("tensorizer", "vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
     expected = {
         (link, model, contender)
@@ -121,7 +127,7 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
         for contender in library + (mixtral_only if model == "mixtral" else ())
     }
     # The emulators: the Mixtral-like model, asyncslab and the raw bounds (runai on GCS).
-    expected |= {("gcs", "mixtral", c) for c in library}
+    expected |= {("gcs", "mixtral", c) for c in library if c != "asyncslab:obstore"}
     expected |= {("azure", "mixtral", c) for c in library if c != "runai-model-streamer"}
     assert set(seen) == expected
     for key, row in seen.items():
@@ -131,7 +137,9 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
         assert seen[("remote", "exl3", contender)]["median_s"] > 0
         assert seen[("gcs", "mixtral", contender)]["median_s"] > 0
         assert seen[("azure", "mixtral", contender)]["median_s"] > 0
+    assert seen[("local", "exl3", "asyncslab:obstore")]["median_s"] > 0
     for link in ("local", "remote", "gcs", "azure"):
         assert f"link {link}" in run.stdout
     assert "targets (measured vs goal; never asserted):" in run.stdout
     assert "asyncslab / the faster raw bound" in run.stdout
+    assert "asyncslab / asyncslab:obstore" in run.stdout
