@@ -193,9 +193,9 @@ def get_into(
 ) -> str | None:
     """One attempt: bytes from ``offset`` of ``shard``'s object, read in order into
     ``regions`` (``(address, nbytes)`` pairs, the caller's memory kept alive), with one GET
-    pinned to the ETag recorded at open (``timeout``: the seconds any one send or receive
-    may wait). Returns the response's ETag. Raises :class:`StatusError`, ``OSError`` (a
-    timeout included) or :class:`http.client.HTTPException` (a body cut short)."""
+    pinned to the ETag recorded at open (``timeout``: the seconds the whole attempt may
+    take). Returns the response's ETag. Raises :class:`StatusError`, ``OSError`` (a timeout
+    included) or :class:`http.client.HTTPException` (a body cut short)."""
     location = shard.source
     assert location is not None
     nbytes = sum(size for _, size in regions)
@@ -203,9 +203,14 @@ def get_into(
     if location.etag is not None:
         headers["If-Match"] = location.etag
     url = signer.url(location.key)
+    deadline = None if timeout is None else time.monotonic() + timeout
     conn = connections.get(worker, url, timeout)
     response: http.client.HTTPResponse | None = None
     try:
+        if conn.sock is None:
+            conn.connect()
+        # Held here: a response that closes its connection takes the socket from it.
+        sock = conn.sock
         conn.request("GET", url.target, headers=headers)
         response = conn.getresponse()
         if response.status != 206:
@@ -220,16 +225,24 @@ def get_into(
         if location.etag is not None and etag is not None and etag != location.etag:
             _close(connections, worker, response)  # its body unread
             return etag  # the caller refuses it
+        # The body read by the response's own reader, past http.client's length bookkeeping:
+        # its readinto1 makes one receive at most, so that the attempt's deadline is looked
+        # at between any two (readinto would wait for a whole piece, however slowly it came).
+        body = response.fp
         for address, size in regions:
             view = byte_view(address, size)
             got = 0
             while got < size:
-                n = response.readinto(view[got:])
+                if deadline is not None:  # the socket's limit is per wait: the body's, whole
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"timed out: the body took over {timeout:.3g} s")
+                    sock.settimeout(left)
+                n = body.readinto1(view[got:])
                 if not n:
                     raise http.client.IncompleteRead(b"", size - got)
                 got += n
-        if not response.isclosed():  # the whole length read: http.client closed it
-            raise http.client.HTTPException("the response body is longer than its length")
+        response.close()  # every byte of its length read: the connection is free again
         return etag
     except BaseException:
         _close(connections, worker, response)

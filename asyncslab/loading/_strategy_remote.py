@@ -4,20 +4,28 @@
 The same coalesced reads as a local load, cut at ``LoadOptions.request_size``, each fetched
 by one GET pinned to the ETag recorded when the checkpoint was opened (``If-Match``, and the
 ETag of every response checked too). ``request_concurrency`` I/O threads each take the next
-read themselves (``_read.ReadFeed``), fetch it, and write the response once: for host slabs
-straight into the slots of the read (one copy out of the client's buffer, by ``memmove`` on
-the thread: ``_copy.HostCopier``), for a CUDA target
-into the thread's own pinned staging buffer, then to the device (``_copy``). So at most
-``request_concurrency`` responses of at most ``request_size`` bytes are held at once, the
-bytes in flight whatever the checkpoint's size. The client waits with the GIL released, as
+read themselves (``_read.ReadFeed``), fetch it, and write its bytes once. A GET is made one
+of two ways:
+
+- presigned (``_presigned``; ``s3://`` and ``az://`` where the store can sign, the
+  default): the standard library's HTTP client reads the body straight into the read's
+  slots, as a local direct read scatters (gaps to a scratch buffer), or for a staged load
+  into the thread's own staging buffer, then to the device (``_copy``). No client buffer;
+- through obstore (:func:`fetch`; ``gs://``, a store that cannot sign, a proxy,
+  ``presigned_gets=False``): the client collects the body into a buffer of its own, copied
+  into the slots by ``memmove`` on the thread (``_copy.HostCopier``) or into the staging
+  buffer.
+
+Either way at most ``request_concurrency`` reads of at most ``request_size`` bytes are in
+flight, whatever the checkpoint's size. The client waits with the GIL released, as
 ``preadv`` does; landing, progress, the ``read_timeout`` watch, cancellation (threads drained
 before the load returns) are the local load's, unchanged.
 
-Those responses should also be all the memory the load holds, and the C allocator decides
-that: the client collects each body into one buffer, allocated by the thread that waits for
-it, and with glibc an arena per thread keeps what that thread frees for reuse. Two choices
-make each thread reuse one buffer instead of accumulating several. The reads are cut at
-exactly ``request_size`` (``schedule(fill=True)``), so responses have one size and a freed
+obstore's responses should also be all the memory such a load holds, and the C allocator
+decides that: the client collects each body into one buffer, allocated by the thread that
+waits for it, and with glibc an arena per thread keeps what that thread frees for reuse. Two
+choices make each thread reuse one buffer instead of accumulating several. The reads are cut
+at exactly ``request_size`` (``schedule(fill=True)``), so responses have one size and a freed
 one always fits the next. And a thread keeps its last response until the next one's headers
 have arrived, freeing it just before that body is collected: freed earlier, the small
 allocations of the request in between would be carved out of it, and the next body would
@@ -25,8 +33,9 @@ no longer fit.
 
 A response cut short, a dropped connection or a 5xx is retried (``request_retries`` times,
 backoff doubling from 50 ms); the attempts and the waits between them share ``read_timeout``
-(the client enforces each attempt's share), so a server that stops answering fails the load
-within ``read_timeout`` and no GET outlives the load's drain.
+(each attempt's share enforced by the client: obstore's limit on the whole request; for a
+presigned GET, the same limit on every wait of its socket), so a server that stops answering
+fails the load within ``read_timeout`` and no GET outlives the load's drain.
 """
 
 from __future__ import annotations
