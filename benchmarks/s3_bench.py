@@ -15,8 +15,8 @@ link, and from GCS's and Azure's emulators.
 Starts SeaweedFS on 127.0.0.1 (``tests/s3server.py``, as the tests do) and uploads two
 checkpoints: the 1.47 GB Mixtral-like bfloat16 model of ``benchmarks/vllm_bench.py`` and a
 3 GiB EXL3-like one (``asyncslab bench``'s synthetic checkpoint). Both are written once into
-``--workdir`` and reused. Every load runs in a fresh process, rounds interleaved (the order
-reversed every other round):
+``--workdir`` and reused. Every load runs in a fresh process, after one unmeasured load
+of each model over each link, rounds interleaved (the order reversed every other round):
 
 - library (every model): ``asyncslab.load`` from ``s3://`` into CPU memory with the default
   ``LoadOptions`` (``asyncslab bench``'s worker, its clock after opening and planning, which
@@ -705,6 +705,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{args.link_mbps:g} MB/s a connection); {args.rounds} rounds; {os.cpu_count()} CPUs",
             flush=True,
         )
+        # One unmeasured load of each (link, model) first: in two runs the first load after
+        # the upload (asyncslab's, both times) took 1.5-2.4x that contender's median.
+        for link, model in dict.fromkeys((link, model) for link, model, _ in jobs):
+            uri = f"{links[link].scheme}://{BUCKET}/{model}"
+            warm = child("raw-bound", uri, links[link])
+            print(f"  warm-up {link} {model}: {warm.get('error') or 'done'}", flush=True)
         for r in range(args.rounds):
             for link, model, contender in jobs if r % 2 == 0 else jobs[::-1]:
                 why = missing(contender, link)
