@@ -17,11 +17,11 @@ before a byte of its body is read. Failures are classed as obstore's are
 (:func:`~asyncslab.checkpoint.failure_kind`: ``kind``), so the retries, timeouts and errors of
 ``_strategy_remote.fetch`` apply unchanged; no error quotes a URL (it holds a signature).
 
-Where a store cannot sign (no signing credentials: anonymous access, a GCS emulator, a
-metadata server that is not there), or the connection needs what ``http.client`` lacks (a
-proxy, invalid certificates accepted, HTTP/2 only), the load reads through obstore instead.
-GCS is not signed for: its signer may call a metadata server, and no emulator these tests
-start accepts its signatures.
+Where requests go unsigned (``skip_signature``), a store cannot sign (no signing
+credentials), or the connection needs what ``http.client`` lacks (a proxy, invalid
+certificates accepted, HTTP/2 only), the load reads through obstore instead. GCS is not
+signed for: obstore's GCS signer needs a service account's key or the instance's metadata
+server, and the tests' emulator offers neither, so no test could check it.
 """
 
 from __future__ import annotations
@@ -94,17 +94,23 @@ class Signer:
         self._store = store
         self._urls: dict[str, _Url] = {}
         self._lock = threading.Lock()
+        self._first = threading.Lock()  # a key's first signing, one thread at a time
         self._refused = False
 
     def signs(self, key: str) -> bool:
         """Whether GETs of ``key`` go through presigned URLs: False, for the rest of the
-        load, once the store could not sign (no signing credentials)."""
+        load, once the store could not sign (no signing credentials), found by one attempt
+        however many threads ask at once."""
         if self._refused:
             return False
-        try:
-            self.url(key)
-        except Exception:  # noqa: BLE001 - obstore reads with what credentials it has
-            self._refused = True
+        if key in self._urls:
+            return True
+        with self._first:
+            if not self._refused and key not in self._urls:
+                try:
+                    self.url(key)
+                except Exception:  # noqa: BLE001 - obstore reads with what credentials it has
+                    self._refused = True
         return not self._refused
 
     def url(self, key: str) -> _Url:
@@ -132,7 +138,14 @@ def signer_of(shard: ShardFile, store: Any) -> Signer | None:
     location = shard.source
     if location is None or location.store.scheme not in SCHEMES:
         return None
-    if any(key in _OBSTORE_ONLY for key in location.store.settings):
+    settings = location.store.settings
+    if any(key in _OBSTORE_ONLY for key in settings):
+        return None
+    # Unsigned requests: obstore would look for credentials to sign with (on S3, from the
+    # instance's metadata server where none are configured).
+    variable = {"s3": "AWS_SKIP_SIGNATURE", "az": "AZURE_SKIP_SIGNATURE"}[location.store.scheme]
+    skips = [v for k, v in settings.items() if k.endswith("skip_signature")]
+    if any(v.lower() in ("true", "1") for v in skips or [os.environ.get(variable, "")]):
         return None
     if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_ENV):
         return None

@@ -184,9 +184,11 @@ async def test_s3_and_azure_gets_are_presigned_and_their_bodies_land_without_a_c
 async def test_a_store_that_cannot_sign_is_read_through_obstore(
     az_server: AzuriteServer, small_checkpoint: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An anonymous reader of a public container has nothing to sign with, and an
-    ``HTTPS_PROXY`` is one the standard library's client would not use: both loads go
-    through obstore, bit-exact."""
+    """An anonymous reader of a public container (``skip_signature``), an ``HTTPS_PROXY``
+    the standard library's client would not use, and a store whose signing fails (no
+    signing credentials; tried once a load): each load goes through obstore, bit-exact."""
+    import obstore
+
     for path in sorted(small_checkpoint.root.rglob("*")):
         if path.is_file():
             key = f"unsigned/{path.relative_to(small_checkpoint.root).as_posix()}"
@@ -197,22 +199,34 @@ async def test_a_store_that_cannot_sign_is_read_through_obstore(
         "account_name": AZURE_ACCOUNT,
         "endpoint": f"{az_server.endpoint}/{AZURE_ACCOUNT}",
     }
+    signs: list[str] = []
+    real_sign = obstore.sign
+
+    def refusing(store: Any, method: str, paths: Any, expires_in: Any) -> Any:
+        signs.append(str(paths))
+        raise obstore.exceptions.GenericError("no signing credentials")
+
     with az_server.proxy() as proxy:
         endpoint = {"endpoint": f"{proxy.endpoint}/{AZURE_ACCOUNT}"}
         public = Checkpoint.open(
             f"az://{PUBLIC_CONTAINER}/unsigned", storage_options={**anonymous, **endpoint}
         )
         private = _open(az_server, "az://models/unsigned", proxy.endpoint)
-        for ckpt, proxy_env in ((public, None), (private, "http://127.0.0.1:9")):
-            if proxy_env is not None:
-                monkeypatch.setenv("HTTPS_PROXY", proxy_env)
-            proxy.requests.clear()
-            p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
-            async with await load(ckpt, p, options=SMALL) as slabs:
-                _bit_exact(slabs, small_checkpoint)
+        for ckpt, why in ((public, "anonymous"), (private, "proxy"), (private, "unsigned")):
+            with monkeypatch.context() as patch:
+                if why == "proxy":
+                    patch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+                if why == "unsigned":
+                    patch.setattr(obstore, "sign", refusing)
+                proxy.requests.clear()
+                p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
+                async with await load(ckpt, p, options=SMALL) as slabs:
+                    _bit_exact(slabs, small_checkpoint)
             payload = proxy.matching(_payload)
             assert payload
             assert not any(_SIGNED_QUERY["az"] in r.query for r in payload)
+    assert len(signs) == 1  # the store could not sign: not asked again in that load
+    assert real_sign is obstore.sign
 
 
 class _Responses:
