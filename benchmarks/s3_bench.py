@@ -38,9 +38,13 @@ of each model over each link, rounds interleaved (the order reversed every other
   written once with ``TensorSerializer`` into one object on the same server, read back by
   its own ``TensorDeserializer`` from ``s3://`` (its HTTP reader, ``force_http``) into CPU
   tensors;
-- links: ``local`` is the server itself; ``remote`` goes through the tests' proxy adding
-  ``--latency-ms`` (20) to each request and capping each connection at ``--link-mbps``
-  (100 MB/s), as one S3 connection over a distant link gives: there, concurrency decides.
+- links: ``local`` is the server itself; ``remote`` adds ``--latency-ms`` (20) to each
+  request and caps each connection at ``--link-mbps`` (100 MB/s), as one S3 connection over
+  a distant link gives: there, concurrency decides. ``--link-emulation splice`` (the
+  default) is a kernel relay (``SpliceLink``: connections kept alive, the payload never in
+  Python, so the link costs the loaders next to no CPU); ``proxy`` is the tests'
+  ``FaultProxy`` of earlier runs (a new connection per request, every byte relayed by a
+  Python event loop on the loaders' cores).
   ``gcs`` and ``azure`` are fake-gcs-server and Azurite on 127.0.0.1
   (``tests/object_servers.py``), the Mixtral-like model only, reached by each cloud's own
   variables (``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``): asyncslab and
@@ -78,7 +82,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the tests' server and the other benchmarks, imported below
 
 from tests.object_servers import AzuriteServer, GcsServer  # noqa: E402
-from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload  # noqa: E402
+from tests.s3server import (  # noqa: E402
+    ACCESS_KEY,
+    SECRET_KEY,
+    FaultProxy,
+    SeaweedServer,
+    SpliceLink,
+    upload,
+)
 
 MiB = 1 << 20
 BUCKET = "models"
@@ -96,6 +107,8 @@ VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
 CONTENDERS = (*LIBRARY, *VLLM)
 MODELS = ("mixtral", "exl3")
 LINKS = ("local", "remote", "gcs", "azure")
+#: How the remote link is emulated: ``tests/s3server.py``'s SpliceLink or FaultProxy.
+EMULATIONS = ("splice", "proxy")
 #: The links to the emulators (the Mixtral-like model only) and who runs there.
 EMULATED = {
     "gcs": ("asyncslab", "runai-model-streamer", "raw-bound", "raw-bound-threads"),
@@ -186,6 +199,7 @@ def serving(
     latency_s: float,
     rate: float,
     tensorizer: Path | None = None,
+    emulation: str = "splice",
 ) -> Iterator[dict[str, Link]]:
     """SeaweedFS with every model uploaded (``s3://models/NAME``; with ``tensorizer`` a
     workdir, each model's tensorizer file at ``s3://models/tensorizer/NAME.tensors``), the
@@ -206,7 +220,8 @@ def serving(
         if "local" in links:
             out["local"] = Link("local", server.endpoint, env=_items(s3_env(server.endpoint)))
         if "remote" in links:
-            proxy = stack.enter_context(FaultProxy(server.endpoint, latency_s=latency_s, rate=rate))
+            kind = SpliceLink if emulation == "splice" else FaultProxy
+            proxy = stack.enter_context(kind(server.endpoint, latency_s=latency_s, rate=rate))
             out["remote"] = Link("remote", proxy.endpoint, env=_items(s3_env(proxy.endpoint)))
         emulators = {"gcs": GcsServer, "azure": AzuriteServer}
         for link, kind in emulators.items():
@@ -639,6 +654,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--link-mbps", type=float, default=100.0, help="the remote link's MB/s per connection"
     )
+    ap.add_argument(
+        "--link-emulation",
+        choices=EMULATIONS,
+        default="splice",
+        help="the remote link's: a kernel relay (splice) or the tests' fault proxy",
+    )
     ap.add_argument("--quick", action="store_true", help="small models: a smoke test")
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-s3-bench"))
     ap.add_argument("--json", type=Path, help="every run (written after each) and the summary")
@@ -677,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         saved = json.loads(args.report.read_text())
         args.latency_ms = saved.get("latency_ms", args.latency_ms)  # the link it ran through
         args.link_mbps = saved.get("link_mbps", args.link_mbps)
+        args.link_emulation = saved.get("link_emulation", "proxy")  # the only one before
         report(saved["runs"], args)
         return 0
     # A stop by SIGTERM unwinds as an exit does: the server and its directory go with it.
@@ -685,12 +707,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     models = write_models(workdir, args.models, args.quick, args.exl3_size)
     sizes = {name: payload_bytes(path) for name, path in models.items()}
     runs: list[dict[str, Any]] = []
-    link_settings = {"latency_ms": args.latency_ms, "link_mbps": args.link_mbps}
+    link_settings = {
+        "latency_ms": args.latency_ms,
+        "link_mbps": args.link_mbps,
+        "link_emulation": args.link_emulation,
+    }
     readers = {"tensorizer", "vllm:tensorizer"}
     wanted = bool(readers & set(args.contenders)) and missing("tensorizer") is None
     tensorizer = workdir if wanted else None
     with serving(
-        models, args.links, args.latency_ms / 1e3, args.link_mbps * 1e6, tensorizer
+        models,
+        args.links,
+        args.latency_ms / 1e3,
+        args.link_mbps * 1e6,
+        tensorizer,
+        args.link_emulation,
     ) as links:
         jobs = [
             (link, model, contender)
@@ -702,7 +733,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"s3_bench: {', '.join(f'{m} {sizes[m] / 1e9:.3f} GB' for m in models)}; links "
             f"{', '.join(links)} (remote: +{args.latency_ms:g} ms a request, "
-            f"{args.link_mbps:g} MB/s a connection); {args.rounds} rounds; {os.cpu_count()} CPUs",
+            f"{args.link_mbps:g} MB/s a connection, {args.link_emulation}); {args.rounds} rounds; "
+            f"{os.cpu_count()} CPUs",
             flush=True,
         )
         # One unmeasured load of each (link, model) first: in two runs the first load after
@@ -759,7 +791,10 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     lines = []
     for link in dict.fromkeys(run["link"] for run in runs):
         extra = {
-            "remote": f" (+{args.latency_ms:g} ms, {args.link_mbps:g} MB/s a connection)",
+            "remote": (
+                f" (+{args.latency_ms:g} ms, {args.link_mbps:g} MB/s a connection, "
+                f"{args.link_emulation})"
+            ),
             "gcs": " (fake-gcs-server on 127.0.0.1)",
             "azure": " (Azurite on 127.0.0.1)",
         }.get(link, "")

@@ -463,6 +463,117 @@ def _closing_head(head: bytes, etag: str | None) -> bytes:
     return "\r\n".join([*lines[:-2], "Connection: close", "", ""]).encode("latin-1")
 
 
+class SpliceLink:
+    """An emulated distant link on 127.0.0.1 in front of ``upstream`` (``http://host:port``)
+    whose bytes never enter Python, so that the link costs the loaders on the same cores
+    next to no CPU (``benchmarks/s3_bench.py``'s remote link; :class:`FaultProxy` parses and
+    relays every byte, and asks both sides to close after each request).
+
+    Each client connection gets one upstream connection and two threads. A request's bytes
+    are held ``latency_s`` before they are forwarded (the round trip of a distant link, once
+    per GET: a large request body would pay it per received chunk). Responses are passed on
+    with ``os.splice`` through a pipe, at ``rate`` bytes per second per connection at most,
+    each chunk let out once the link would have carried its last byte. Connections stay
+    open as long as both sides keep them, as they would over a real link.
+    """
+
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, rate: float | None = None) -> None:
+        host, _, port = upstream.removeprefix("http://").partition(":")
+        self._upstream = (host, int(port))
+        self.latency_s = latency_s
+        self.rate = rate
+        self.connections = 0  # client connections accepted, in all
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> SpliceLink:
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # shutdown() wakes a thread blocked in accept(), recv() or splice() on the socket;
+        # close() alone would not.
+        with self._lock:
+            sockets = [self._listener, *self._sockets]
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected, or the peer already went
+        for thread in list(self._threads):
+            thread.join(10)
+        for sock in sockets:
+            sock.close()
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name="splice-link", daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # shut down
+            try:
+                upstream = socket.create_connection(self._upstream)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, upstream):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self.connections += 1
+                self._sockets.update((client, upstream))
+            self._spawn(self._requests, client, upstream)
+            self._spawn(self._responses, upstream, client)
+
+    def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                time.sleep(self.latency_s)
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _shut_write(upstream)
+
+    def _responses(self, upstream: socket.socket, client: socket.socket) -> None:
+        import fcntl
+
+        out, into = os.pipe()
+        fcntl.fcntl(into, fcntl.F_SETPIPE_SZ, _PACE_BYTES)  # a whole chunk fits the pipe
+        free_at = 0.0  # when the link has carried everything let out so far
+        try:
+            while moved := os.splice(upstream.fileno(), into, _PACE_BYTES):
+                if self.rate is not None:
+                    free_at = max(free_at, time.monotonic()) + moved / self.rate
+                    ahead = free_at - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+                while moved:
+                    moved -= os.splice(out, client.fileno(), moved)
+        except OSError:
+            pass
+        finally:
+            os.close(out)
+            os.close(into)
+            _shut_write(client)
+
+
+def _shut_write(sock: socket.socket) -> None:
+    """Pass an end of stream on: the peer reads EOF once everything sent has arrived."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
 def iter_keys(store: Any, prefix: str) -> Iterator[str]:
     import obstore
 

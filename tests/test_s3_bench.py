@@ -1,9 +1,11 @@
-"""``benchmarks/s3_bench.py``: the emulated remote link it runs through (the tests' proxy
-with a latency and a rate per connection), and its quick mode end to end."""
+"""``benchmarks/s3_bench.py``: the emulated remote links it runs through (a kernel relay or
+the tests' proxy, each with a latency and a rate per connection), and its quick mode end to
+end."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.helpers import benchmark_script
-from tests.s3server import FaultProxy, SeaweedServer
+from tests.s3server import FaultProxy, SeaweedServer, SpliceLink
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,6 +45,34 @@ def test_the_proxy_adds_its_latency_and_caps_the_rate(s3_server: SeaweedServer) 
         data = obstore.get(store, key).bytes()
         elapsed = time.perf_counter() - began
     assert len(data) == 600_000
+    assert elapsed >= 0.6  # 600 kB at 1 MB/s
+
+
+def test_the_splice_link_adds_its_latency_caps_the_rate_and_keeps_its_connections(
+    s3_server: SeaweedServer,
+) -> None:
+    """The kernel relay passes every byte on unchanged, holds each request ``latency_s`` and
+    each connection's responses to ``rate``, and keeps a connection for the next request (a
+    client making one request after another opens one). Bounds from below only."""
+    import obstore
+
+    key = "shaping/spliced"
+    blob = os.urandom(600_000)
+    obstore.put(s3_server.store(), key, blob)
+    with SpliceLink(s3_server.endpoint, latency_s=0.2) as link:
+        store = _store(s3_server, link.endpoint)
+        began = time.perf_counter()
+        assert bytes(obstore.get_range(store, key, start=7, length=10)) == blob[7:17]
+        assert time.perf_counter() - began >= 0.2
+        for at in (0, 1000, 599_990):
+            assert bytes(obstore.get_range(store, key, start=at, length=10)) == blob[at : at + 10]
+        assert link.connections == 1
+    with SpliceLink(s3_server.endpoint, rate=1e6) as link:
+        store = _store(s3_server, link.endpoint)
+        began = time.perf_counter()
+        data = obstore.get(store, key).bytes()
+        elapsed = time.perf_counter() - began
+    assert bytes(data) == blob
     assert elapsed >= 0.6  # 600 kB at 1 MB/s
 
 
