@@ -57,6 +57,8 @@ AZURE_KEY = (
 GCS_TOKEN = "asyncslab-gcs-token-0123456789"
 #: A container anyone may list and read (Azure's "container" public access).
 PUBLIC_CONTAINER = "public"
+#: What a presigned URL's query holds, by scheme (``loading/_presigned``): its signature.
+SIGNED_QUERY = {"s3": "X-Amz-Signature=", "az": "sig="}
 
 
 def missing(what: str, install: str) -> None:

@@ -5,10 +5,11 @@ in a bucket (ranged GETs).
 a :class:`SegmentSource`, opened before the pre-flight so that a failure to open travels in
 it. A local checkpoint's source holds the shards' file descriptors; an object checkpoint's
 (``s3://``, ``gs://``, ``az://``) holds the clients of its buckets and fetches each chunk's
-segments by the single-process loader's own GETs (``loading._strategy_remote.fetch``):
-pinned to the ETag recorded at open, retried after a transient failure within
-``read_timeout``, cut at ``request_size``, ``request_concurrency`` in flight. Either way a
-rank requests only the byte ranges of the chunks it owns.
+segments by the single-process loader's own GETs (``loading._strategy_remote``): pinned to
+the ETag recorded at open, retried after a transient failure within ``read_timeout``, cut at
+``request_size``, ``request_concurrency`` in flight; presigned where the store signs, each
+body read straight into the chunk's buffer (``loading._presigned``), else through obstore.
+Either way a rank requests only the byte ranges of the chunks it owns.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from typing import Any
 
 from ..checkpoint import Checkpoint, ShardFile
 from ..loading import (
+    Connections,
     LoadOptions,
     fetch,
+    fetch_into,
     host_copy,
     open_checked,
     pread_scatter,
@@ -31,6 +34,7 @@ from ..loading import (
     request_limits,
     response_tensor,
     scatter,
+    signers_of,
     store_of,
 )
 from ..planning import Plan
@@ -118,15 +122,19 @@ class FileSegments:
 
 class ObjectSegments:
     """An object checkpoint's shards: a chunk's segments cut into GETs of at most
-    ``request_size`` bytes, fetched ``request_concurrency`` at a time, each response copied
-    once into its place in the chunk's buffer."""
+    ``request_size`` bytes, fetched ``request_concurrency`` at a time, each body read into
+    its place in the chunk's buffer (presigned), or its response copied there once."""
 
     def __init__(self, shards: Sequence[ShardFile], options: LoadOptions) -> None:
         self._shards = shards
         self._attempts, self._timeout = request_limits(options)
         # Made now, so that a client that cannot be configured fails this rank's set-up.
         self._stores = [store_of(shard, self._timeout) for shard in shards]
+        self._signers = (
+            signers_of(shards, self._stores) if options.presigned_gets else [None] * len(shards)
+        )
         self._size = options.request_size
+        self._connections = Connections(options.request_concurrency)  # one per GET thread
         self._gets = _Workers(options.request_concurrency)
 
     def read(self, segments: Sequence[Segment], address: int, done: Done) -> None:
@@ -143,19 +151,25 @@ class ObjectSegments:
             future.result()  # the first failure, in request order
             done(piece[2])
 
-    def _get(self, file: int, offset: int, nbytes: int, address: int) -> None:
-        shard = self._shards[file]
-        data = fetch(self._stores[file], shard, offset, nbytes, self._attempts, self._timeout)
+    def _get(self, worker: int, file: int, offset: int, nbytes: int, address: int) -> None:
+        shard, store, signer = self._shards[file], self._stores[file], self._signers[file]
+        limits = (self._attempts, self._timeout)
+        if signer is not None and shard.source is not None and signer.signs(shard.source.key):
+            regions = ((address, nbytes),)
+            fetch_into(self._connections, worker, signer, store, shard, offset, regions, *limits)
+            return
+        data = fetch(store, shard, offset, nbytes, *limits)
         host_copy(address, response_tensor(data, nbytes).data_ptr(), nbytes)  # ``data`` lives
 
     def close(self) -> None:
         self._gets.close()
+        self._connections.close()  # the threads are gone: no GET is using one
 
 
 class _Workers:
-    """``n`` daemon threads running submitted calls: a GET that never returns (no
-    ``read_timeout``) must not keep the process from exiting, as a ``ThreadPoolExecutor``'s
-    threads would."""
+    """``n`` daemon threads running submitted calls, each given its thread's index first (a
+    GET's connection is its thread's): a GET that never returns (no ``read_timeout``) must
+    not keep the process from exiting, as a ``ThreadPoolExecutor``'s threads would."""
 
     def __init__(self, n: int) -> None:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -167,19 +181,23 @@ class _Workers:
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._lock:
             if len(self._threads) < self._n:  # started as the work asks for them
+                index = len(self._threads)
                 thread = threading.Thread(
-                    target=self._work, name=f"asyncslab-dist-get_{len(self._threads)}", daemon=True
+                    target=self._work,
+                    args=(index,),
+                    name=f"asyncslab-dist-get_{index}",
+                    daemon=True,
                 )
                 self._threads.append(thread)
                 thread.start()
         self._jobs.put((future, fn, args))
         return future
 
-    def _work(self) -> None:
+    def _work(self, index: int) -> None:
         while (job := self._jobs.get()) is not None:
             future, fn, args = job
             try:
-                future.set_result(fn(*args))
+                future.set_result(fn(index, *args))
             except BaseException as err:
                 future.set_exception(err)
 

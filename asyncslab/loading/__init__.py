@@ -13,6 +13,7 @@ from ._options import LoadOptions as LoadOptions
 from ._options import LoadStatistics as LoadStatistics
 from ._options import ProgressCallback as ProgressCallback
 from ._pinned import pinned_bytes as pinned_bytes
+from ._presigned import Connections as Connections
 from ._read import byte_view as byte_view
 from ._read import pread_scatter as pread_scatter
 from ._read import scatter as scatter
@@ -27,12 +28,15 @@ from ._slabs import slab_layout as slab_layout
 from ._slabs import void as void
 from ._strategy_mapped import PopulateRegistry as PopulateRegistry
 from ._strategy_remote import fetch as fetch
+from ._strategy_remote import fetch_into as fetch_into
 from ._strategy_remote import reads_objects as reads_objects
 from ._strategy_remote import request_limits as request_limits
 from ._strategy_remote import response_tensor as response_tensor
+from ._strategy_remote import signers_of as signers_of
 from ._strategy_remote import store_of as store_of
 
 __all__ = [
+    "Connections",
     "Load",
     "LoadOptions",
     "LoadStatistics",
@@ -44,6 +48,7 @@ __all__ = [
     "byte_view",
     "direct_scatters",
     "fetch",
+    "fetch_into",
     "host_copy",
     "is_closed",
     "load",
@@ -57,6 +62,7 @@ __all__ = [
     "scatter",
     "schedule",
     "settled",
+    "signers_of",
     "slab_layout",
     "store_of",
     "void",

@@ -67,6 +67,7 @@ __all__ = [
     "reads_objects",
     "request_limits",
     "response_tensor",
+    "signers_of",
     "store_of",
 ]
 
@@ -121,13 +122,7 @@ class Remote:
         shards = sink.plan.files
         stores = [store_of(shard, self._timeout) for shard in shards]
         ops, paths, scatters = reads.schedule.ops, files.paths, reads.scatters
-        signers: list[Signer | None] = [None] * len(shards)
-        if self._presigned:
-            by_store: dict[int, Signer | None] = {}
-            for i, (shard, store) in enumerate(zip(shards, stores, strict=True)):
-                if id(store) not in by_store:
-                    by_store[id(store)] = signer_of(shard, store)
-                signers[i] = by_store[id(store)]
+        signers = signers_of(shards, stores) if self._presigned else [None] * len(shards)
         keys = [shard.source.key if shard.source is not None else "" for shard in shards]
         connections = self._connections = Connections(self.workers)
         attempts, timeout = self._attempts, self._timeout
@@ -233,6 +228,17 @@ def store_of(shard: ShardFile, timeout: float | None) -> Any:
     if shard.source is None:
         raise LoadError("not an object", file=shard.path)
     return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
+
+
+def signers_of(shards: Sequence[ShardFile], stores: Sequence[Any]) -> list[Signer | None]:
+    """Each shard's :class:`Signer`, or None where its GETs go through obstore; one per
+    store (``stores``: each shard's, from :func:`store_of`), so that a store is asked to sign
+    once per load."""
+    by_store: dict[int, Signer | None] = {}
+    for shard, store in zip(shards, stores, strict=True):
+        if id(store) not in by_store:
+            by_store[id(store)] = signer_of(shard, store)
+    return [by_store[id(store)] for store in stores]
 
 
 def fetch(

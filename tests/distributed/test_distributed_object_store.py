@@ -32,7 +32,7 @@ from asyncslab.testing import SyntheticCheckpoint
 from tests.conftest import ObjectServer
 from tests.distributed.test_distributed import _error, _spawn
 from tests.helpers import HANG_S, raw_bytes
-from tests.object_servers import attached
+from tests.object_servers import SIGNED_QUERY, attached
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.skipif(
@@ -117,6 +117,13 @@ async def _load_from_store(
                 [_name(server, r), r.range[0], r.range[1] + 1] for r in gets if r.range is not None
             ],
             "unranged": [r.path for r in gets if r.range is None],
+            # Where the store signs, every GET a presigned URL with no credentials of its own.
+            "presigned": all(
+                SIGNED_QUERY[server.scheme] in r.query and "authorization" not in r.headers
+                for r in gets
+            )
+            if server.scheme in SIGNED_QUERY
+            else None,
             "pinned": all(r.headers.get("if-match") == etags[_name(server, r)] for r in gets),
             # GCS: each GET asks for the generation opened too (the emulator ignores If-Match).
             "generations": all(server.pin_of(r) == _version(ckpt, _name(server, r)) for r in gets)
@@ -409,6 +416,7 @@ def test_ranks_load_from_each_store_bit_exact_each_requesting_only_its_own_range
             assert x["pinned"], (key, rank)  # every GET If-Match the ETag recorded at open
             assert x["generations"], (key, rank)  # and on GCS its generation
             assert x["unranged"] == [], (key, rank)  # never a whole object
+            assert x["presigned"] is not False, (key, rank)  # gs://: None, never signed for
             assert all(e - s <= OPTIONS.request_size for _, s, e in x["gets"]), (key, rank)
             # Each byte a rank asked for once: its GETs never overlap.
             assert _bytes(gets[rank]) == sum(e - s for _, s, e in x["gets"]), (key, rank)

@@ -23,7 +23,7 @@ from asyncslab.errors import FileChangedError, IncompleteLoadError, ReadError, R
 from asyncslab.testing import SyntheticCheckpoint
 from tests.conftest import ObjectServer
 from tests.helpers import assert_units_all_or_nothing, until, wait_io_threads_gone
-from tests.object_servers import AZURE_ACCOUNT, PUBLIC_CONTAINER, AzuriteServer
+from tests.object_servers import AZURE_ACCOUNT, PUBLIC_CONTAINER, SIGNED_QUERY, AzuriteServer
 from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.asyncio
@@ -127,10 +127,6 @@ async def test_requests_are_bounded_by_size_and_concurrency_and_pinned_to_the_ve
             assert 0 < final <= SMALL.request_size
 
 
-#: What a presigned URL's query carries, by scheme (S3's signature, an Azure SAS's).
-_SIGNED_QUERY = {"s3": "X-Amz-Signature=", "az": "sig="}
-
-
 async def test_s3_and_azure_gets_are_presigned_and_their_bodies_land_without_a_copy(
     object_server: ObjectServer,
     object_small: str,
@@ -158,7 +154,7 @@ async def test_s3_and_azure_gets_are_presigned_and_their_bodies_land_without_a_c
 
     monkeypatch.setattr(obstore, "get", spied_get)
     monkeypatch.setattr(_copy, "host_copy", spied_copy)
-    signed = _SIGNED_QUERY.get(object_server.scheme)
+    signed = SIGNED_QUERY.get(object_server.scheme)
     with object_server.proxy() as proxy:
         ckpt = _open(object_server, object_small, proxy.endpoint)
         p = asyncslab.plan(ckpt, tier_map=small_checkpoint.tier_map_path)
@@ -224,7 +220,7 @@ async def test_a_store_that_cannot_sign_is_read_through_obstore(
                     _bit_exact(slabs, small_checkpoint)
             payload = proxy.matching(_payload)
             assert payload
-            assert not any(_SIGNED_QUERY["az"] in r.query for r in payload)
+            assert not any(SIGNED_QUERY["az"] in r.query for r in payload)
     assert len(signs) == 1  # the store could not sign: not asked again in that load
     assert real_sign is obstore.sign
 
