@@ -42,7 +42,14 @@ from ..errors import (
     ShapeMismatchError,
     UnsafePathError,
 )
-from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet, map_checked
+from ..loading import (
+    LoadOptions,
+    LoadStatistics,
+    ProgressCallback,
+    SlabSet,
+    map_checked,
+    presigns,
+)
 from ..planning import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._engine_load import run_sync
 from ._transformers_places import Converted, Places, places
@@ -53,10 +60,13 @@ __all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
 #: generation config, chat template) is fetched.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
-#: From object storage, the GETs in flight unless the caller sets them: 8 of 8 MiB (the
-#: loader's default is 16). What a load holds beyond the parameters is this path's own
-#: ~35-65 MiB plus the responses in flight, so 16 x 8 MiB would break the promise of at most
-#: the parameters + 128 MiB; 8 were as fast on the models measured (docs/transformers.md).
+#: From object storage, the GETs in flight unless the caller sets them. Presigned GETs
+#: (``s3://``, ``az://``) read their bodies straight into the parameters and hold no memory:
+#: the loader's 16 of 8 MiB, faster than 8 over a distant link. Through obstore (``gs://``,
+#: a store that cannot sign) a load holds this path's own ~35-65 MiB plus the responses in
+#: flight beyond the parameters, so 16 x 8 MiB would break the promise of at most the
+#: parameters + 128 MiB; 8 were as fast there (docs/transformers.md has both measurements).
+PRESIGNED_REQUESTS: Mapping[str, int] = {"request_concurrency": 16, "request_size": 8 << 20}
 OBJECT_STORE_REQUESTS: Mapping[str, int] = {"request_concurrency": 8, "request_size": 8 << 20}
 
 
@@ -124,7 +134,8 @@ def from_pretrained(
     changes or breaks it, as it does a model of ``from_pretrained``'s (writes into the
     parameter never reach the file). ``options`` are :class:`~asyncslab.LoadOptions`
     fields (from object storage,
-    ``request_concurrency`` and ``request_size`` default to :data:`OBJECT_STORE_REQUESTS`).
+    ``request_concurrency`` and ``request_size`` default to :data:`PRESIGNED_REQUESTS` where
+    the GETs are presigned, else to :data:`OBJECT_STORE_REQUESTS`).
     Synchronous (a running event loop is left alone: the reads run on a loop of their own
     thread); see :func:`load_pretrained`."""
     return load(
@@ -154,12 +165,13 @@ async def load_pretrained(
 ) -> Any:
     """:func:`from_pretrained` for async code: building the model, planning and converting
     run on a worker thread, the reads on the caller's event loop, which never blocks."""
-    load_options = _load_options(source, options)
+    _load_options(source, options)  # wrong options fail before anything is prepared
     started = time.perf_counter()
     prepared = await asyncio.to_thread(
         _prepare, source, model_class, dtype, device, config, storage_options, disable_mmap
     )
     try:
+        load_options = _load_options(source, options, prepared.checkpoint)
         read = time.perf_counter()
         statistics = await _read(prepared, load_options, progress)
         done = time.perf_counter()
@@ -184,12 +196,13 @@ def load(
     **options: Any,
 ) -> tuple[Any, TransformersLoad]:
     """:func:`from_pretrained`, and what the load did."""
-    load_options = _load_options(source, options)
+    _load_options(source, options)  # wrong options fail before anything is prepared
     import transformers  # noqa: F401  (its first import is no part of the load's time)
 
     started = time.perf_counter()
     prepared = _prepare(source, model_class, dtype, device, config, storage_options, disable_mmap)
     try:
+        load_options = _load_options(source, options, prepared.checkpoint)
         read = time.perf_counter()
         statistics = run_sync(_read(prepared, load_options, progress))
         done = time.perf_counter()
@@ -198,11 +211,20 @@ def load(
         prepared.close()
 
 
-def _load_options(source: str | os.PathLike[str], options: Mapping[str, Any]) -> LoadOptions:
-    """``options``, with :data:`OBJECT_STORE_REQUESTS` for what they leave unset when
-    ``source`` is in object storage."""
+def _load_options(
+    source: str | os.PathLike[str], options: Mapping[str, Any], opened: Checkpoint | None = None
+) -> LoadOptions:
+    """``options``, with the object store's in-flight defaults for what they leave unset when
+    ``source`` is in object storage: :data:`PRESIGNED_REQUESTS` where every shard's GETs are
+    presigned (known once the checkpoint is ``opened``; before, the options are only
+    checked), else :data:`OBJECT_STORE_REQUESTS`."""
     if _is_object_uri(os.fspath(source)):
-        options = {**OBJECT_STORE_REQUESTS, **options}
+        presigned = (
+            opened is not None
+            and options.get("presigned_gets", True) is True
+            and all(presigns(shard) for shard in opened.files)
+        )
+        options = {**(PRESIGNED_REQUESTS if presigned else OBJECT_STORE_REQUESTS), **options}
     return LoadOptions(**options)
 
 

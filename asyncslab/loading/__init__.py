@@ -14,6 +14,7 @@ from ._options import LoadStatistics as LoadStatistics
 from ._options import ProgressCallback as ProgressCallback
 from ._pinned import pinned_bytes as pinned_bytes
 from ._presigned import Connections as Connections
+from ._presigned import presigns as presigns
 from ._read import byte_view as byte_view
 from ._read import pread_scatter as pread_scatter
 from ._read import scatter as scatter
@@ -55,6 +56,7 @@ __all__ = [
     "map_checked",
     "open_checked",
     "pinned_bytes",
+    "presigns",
     "pread_scatter",
     "reads_objects",
     "request_limits",

@@ -40,7 +40,7 @@ from typing import Any
 from ..checkpoint import ShardFile
 from ._read import byte_view
 
-__all__ = ["Connections", "StatusError", "Signer", "get_into", "signer_of"]
+__all__ = ["Connections", "StatusError", "Signer", "get_into", "presigns", "signer_of"]
 
 #: Schemes signed for (see the module's docstring).
 SCHEMES = frozenset({"s3", "az"})
@@ -135,21 +135,25 @@ def _signed(store: Any, key: str, now: float) -> _Url:
 def signer_of(shard: ShardFile, store: Any) -> Signer | None:
     """A :class:`Signer` for ``shard``'s store, or None where its GETs go through obstore
     (see the module's docstring). Signs nothing yet: see :meth:`Signer.signs`."""
+    return Signer(store) if presigns(shard) else None
+
+
+def presigns(shard: ShardFile) -> bool:
+    """Whether ``shard``'s GETs are to be presigned (see the module's docstring); a store
+    that turns out unable to sign still sends them through obstore (:meth:`Signer.signs`)."""
     location = shard.source
     if location is None or location.store.scheme not in SCHEMES:
-        return None
+        return False
     settings = location.store.settings
     if any(key in _OBSTORE_ONLY for key in settings):
-        return None
+        return False
     # Unsigned requests: obstore would look for credentials to sign with (on S3, from the
     # instance's metadata server where none are configured).
     variable = {"s3": "AWS_SKIP_SIGNATURE", "az": "AZURE_SKIP_SIGNATURE"}[location.store.scheme]
     skips = [v for k, v in settings.items() if k.endswith("skip_signature")]
     if any(v.lower() in ("true", "1") for v in skips or [os.environ.get(variable, "")]):
-        return None
-    if any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_ENV):
-        return None
-    return Signer(store)
+        return False
+    return not any(os.environ.get(name) or os.environ.get(name.upper()) for name in _PROXY_ENV)
 
 
 class Connections:

@@ -56,22 +56,47 @@ def test_from_s3_a_missing_tensor_or_config_is_named(
         ast.from_pretrained("s3://models/transformers/no-config", storage_options=options)
 
 
-def test_from_object_storage_fewer_and_smaller_gets_are_in_flight_unless_set() -> None:
-    """Each client thread keeps its freed responses resident, so this path lowers the
-    in-flight defaults for object storage only, and an option set by the caller wins."""
-    from asyncslab.engines._transformers import OBJECT_STORE_REQUESTS, _load_options
+def test_from_object_storage_fewer_gets_are_in_flight_through_obstore_unless_set(
+    s3_server: SeaweedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Presigned GETs hold no memory: the loader's 16 in flight. Through obstore each client
+    thread keeps its freed responses resident, so this path lowers the in-flight default
+    there (``gs://``, a proxy in the environment, ``presigned_gets=False``); an option set
+    by the caller wins either way."""
+    from asyncslab import Checkpoint
+    from asyncslab.engines._transformers import (
+        OBJECT_STORE_REQUESTS,
+        PRESIGNED_REQUESTS,
+        _load_options,
+    )
     from asyncslab.loading._options import LoadOptions
 
-    for uri in ("s3://models/m", "gs://models/m", "az://models/m"):
-        options = _load_options(uri, {})
-        assert options.request_concurrency == OBJECT_STORE_REQUESTS["request_concurrency"]
-        assert options.request_size == OBJECT_STORE_REQUESTS["request_size"]
+    def in_flight(options: LoadOptions) -> dict[str, int]:
+        return {
+            "request_concurrency": options.request_concurrency,
+            "request_size": options.request_size,
+        }
+
+    uri = "s3://models/transformers/in-flight"
+    upload(s3_server.store(), "transformers/in-flight", save(build("mixtral"), tmp_path / "m"))
+    opened = Checkpoint.open(uri, storage_options=s3_server.options())
+    assert in_flight(_load_options(uri, {}, opened)) == PRESIGNED_REQUESTS
+    assert PRESIGNED_REQUESTS == in_flight(LoadOptions())  # the loader's own
+    asked = _load_options(uri, {"request_concurrency": 3, "io_workers": 2}, opened)
+    assert (asked.request_concurrency, asked.io_workers) == (3, 2)
+    for source, options, checkpoint in (
+        (uri, {}, None),  # not open yet: the options are only checked
+        (uri, {"presigned_gets": False}, opened),
+        ("gs://models/m", {}, None),
+        ("az://models/m", {}, None),
+    ):
+        assert in_flight(_load_options(source, options, checkpoint)) == OBJECT_STORE_REQUESTS
     assert (
         OBJECT_STORE_REQUESTS["request_concurrency"] * OBJECT_STORE_REQUESTS["request_size"]
         < LoadOptions().request_concurrency * LoadOptions().request_size
     )
     assert _load_options("/models/m", {}) == LoadOptions()
-    asked = _load_options("s3://models/m", {"request_size": 1 << 20, "io_workers": 2})
-    assert asked.request_size == 1 << 20
-    assert asked.request_concurrency == OBJECT_STORE_REQUESTS["request_concurrency"]
-    assert asked.io_workers == 2
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # http.client would not use it
+    assert in_flight(_load_options(uri, {}, opened)) == OBJECT_STORE_REQUESTS
+    asked = _load_options(uri, {"request_concurrency": 3, "io_workers": 2}, opened)
+    assert (asked.request_concurrency, asked.io_workers) == (3, 2)
