@@ -11,9 +11,13 @@ queued for a matching request: a body cut after some bytes, a response that stal
 hook run before the request is forwarded (an object replaced between two requests). It runs
 its own event loop on a thread, so that the loop of the test (and the blocking calls of
 ``Checkpoint.open``) never wait for it. Given ``latency_s`` and ``rate`` it also emulates a
-remote link (``benchmarks/s3_bench.py``): each request waits ``latency_s`` before it is
-forwarded, and each response goes out at ``rate`` bytes per second at most; the proxy keeps
-one request per connection, so that is a cap per connection, as one S3 connection has.
+remote link (``benchmarks/s3_bench.py --link-emulation proxy``): each request waits
+``latency_s`` before it is forwarded, and each response goes out at ``rate`` bytes per second
+at most; the proxy keeps one request per connection, so that is a cap per connection, as one
+S3 connection has.
+
+:class:`SpliceLink` emulates the same link for the benchmark's default: connections kept
+alive, the payload relayed by the kernel (``os.splice``), never parsed or copied in Python.
 """
 
 from __future__ import annotations
