@@ -130,9 +130,7 @@ class ObjectSegments:
         self._attempts, self._timeout = request_limits(options)
         # Made now, so that a client that cannot be configured fails this rank's set-up.
         self._stores = [store_of(shard, self._timeout) for shard in shards]
-        self._signers = (
-            signers_of(shards, self._stores) if options.presigned_gets else [None] * len(shards)
-        )
+        self._signers = signers_of(shards, self._stores, options.presigned_gets)
         self._size = options.request_size
         self._connections = Connections(options.request_concurrency)  # one per GET thread
         self._gets = _Workers(options.request_concurrency)

@@ -218,14 +218,16 @@ def _load_options(
     ``source`` is in object storage: :data:`PRESIGNED_REQUESTS` where every shard's GETs are
     presigned (known once the checkpoint is ``opened``; before, the options are only
     checked), else :data:`OBJECT_STORE_REQUESTS`."""
-    if _is_object_uri(os.fspath(source)):
-        presigned = (
-            opened is not None
-            and options.get("presigned_gets", True) is True
-            and all(presigns(shard) for shard in opened.files)
-        )
-        options = {**(PRESIGNED_REQUESTS if presigned else OBJECT_STORE_REQUESTS), **options}
-    return LoadOptions(**options)
+    asked = LoadOptions(**options)
+    if not _is_object_uri(os.fspath(source)):
+        return asked
+    presigned = (
+        opened is not None
+        and asked.presigned_gets
+        and all(presigns(shard) for shard in opened.files)
+    )
+    defaults = PRESIGNED_REQUESTS if presigned else OBJECT_STORE_REQUESTS
+    return LoadOptions(**{**defaults, **options})
 
 
 # --- preparing: config, model on meta, places, storage, plan ----------------------------

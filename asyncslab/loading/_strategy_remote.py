@@ -122,7 +122,7 @@ class Remote:
         shards = sink.plan.files
         stores = [store_of(shard, self._timeout) for shard in shards]
         ops, paths, scatters = reads.schedule.ops, files.paths, reads.scatters
-        signers = signers_of(shards, stores) if self._presigned else [None] * len(shards)
+        signers = signers_of(shards, stores, self._presigned)
         keys = [shard.source.key if shard.source is not None else "" for shard in shards]
         connections = self._connections = Connections(self.workers)
         attempts, timeout = self._attempts, self._timeout
@@ -230,10 +230,14 @@ def store_of(shard: ShardFile, timeout: float | None) -> Any:
     return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
 
 
-def signers_of(shards: Sequence[ShardFile], stores: Sequence[Any]) -> list[Signer | None]:
-    """Each shard's :class:`Signer`, or None where its GETs go through obstore; one per
-    store (``stores``: each shard's, from :func:`store_of`), so that a store is asked to sign
-    once per load."""
+def signers_of(
+    shards: Sequence[ShardFile], stores: Sequence[Any], presigned_gets: bool
+) -> list[Signer | None]:
+    """Each shard's :class:`Signer`, or None where its GETs go through obstore (all of them
+    unless ``presigned_gets``, the load's option); one per store (``stores``: each shard's,
+    from :func:`store_of`), so that a store is asked to sign once per load."""
+    if not presigned_gets:
+        return [None] * len(shards)
     by_store: dict[int, Signer | None] = {}
     for shard, store in zip(shards, stores, strict=True):
         if id(store) not in by_store:
