@@ -277,8 +277,7 @@ class FaultProxy:
         rate: float | None = None,
         rewrite_host: bool = False,
     ) -> None:
-        host, _, port = upstream.removeprefix("http://").partition(":")
-        self._upstream = (host, int(port))
+        host, port = self._upstream = _address(upstream)
         # The server's own Host header on each request (a server routing by its public host
         # name, as fake-gcs-server does; an S3 request signs its Host and keeps it).
         self._host = f"Host: {host}:{port}" if rewrite_host else None
@@ -482,8 +481,7 @@ class SpliceLink:
     """
 
     def __init__(self, upstream: str, *, latency_s: float = 0.0, rate: float | None = None) -> None:
-        host, _, port = upstream.removeprefix("http://").partition(":")
-        self._upstream = (host, int(port))
+        self._upstream = _address(upstream)
         self.latency_s = latency_s
         self.rate = rate
         self.connections = 0  # client connections accepted, in all
@@ -568,6 +566,12 @@ class SpliceLink:
             os.close(out)
             os.close(into)
             _shut_write(client)
+
+
+def _address(endpoint: str) -> tuple[str, int]:
+    """``http://host:port`` as ``(host, port)``."""
+    host, _, port = endpoint.removeprefix("http://").partition(":")
+    return host, int(port)
 
 
 def _shut_write(sock: socket.socket) -> None:
