@@ -45,6 +45,7 @@ from ..planning import (
     plan,
     unit_of_layer,
 )
+from ._overwrites import resolve
 from ._recording import Capture, Run
 
 __all__ = ["IntoPlan", "plan_into"]
@@ -56,7 +57,9 @@ class IntoPlan:
     ``SlabSet(plan, tensors=...)`` takes. ``transformed`` (checkpoint tensor -> why) are
     loaded by the engine's own loader instead, ``skipped`` are those it takes and drops.
     ``defaulted`` are the optional tensors no checkpoint tensor writes: they keep the
-    values the engine gave them."""
+    values the engine gave them. ``overwritten`` are tensors every byte of which a later
+    tensor writes again, by the engine's design (:mod:`._overwrites`): not read;
+    ``shared`` every tensor that writes a byte another writes too."""
 
     plan: Plan
     tensors: Mapping[str, torch.Tensor]
@@ -64,6 +67,8 @@ class IntoPlan:
     skipped: tuple[str, ...]
     fills: int
     defaulted: tuple[str, ...] = ()
+    overwritten: tuple[str, ...] = ()
+    shared: frozenset[str] = frozenset()
 
     @property
     def transformed_bytes(self) -> int:
@@ -77,14 +82,27 @@ def plan_into(
     *,
     names: Mapping[str, str] | None = None,
     optional: Iterable[str] = (),
+    order: Callable[[str], Any] | None = None,
 ) -> IntoPlan:
     """Plan ``checkpoint`` into the destinations ``captured`` recorded, checking that every
     byte of each ``required`` tensor (the engine's parameters, by name) is covered exactly
     once; those named in ``optional`` may instead have no byte written. ``names`` maps the
     names the engine was given to checkpoint names (a prefix the engine adds), identity by
-    default."""
+    default. Where the engine's loader writes a byte from several tensors by design (see
+    :mod:`._overwrites`), the last in ``order`` (a sort key of the names the engine takes:
+    its reading order; by default the checkpoint's) stands."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
+    files = {f.path: i for i, f in enumerate(checkpoint.files)}
+
+    def stored(name: str) -> tuple[int, int]:
+        # Where a tensor lies: the order in which the engine's loader is handed the
+        # transformed ones (_stream reads in file order).
+        found = tensors[to_checkpoint.get(name, name)]
+        return files[found.file], found.offset
+
+    resolved = resolve(captured, order or stored, stored)
+    captured = resolved.captured
     # Looked up once per tensor: a checkpoint's table builds each TensorInfo on access.
     infos: dict[str, TensorInfo] = {}
 
@@ -94,7 +112,7 @@ def plan_into(
             found = infos[name] = tensors[to_checkpoint.get(name, name)]
         return found
 
-    defaulted = _check_coverage(captured, list(required), frozenset(optional))
+    defaulted = _check_coverage(captured, list(required), frozenset(optional), resolved.shared)
     grids: list[_Grid] = []
     views: dict[str, torch.Tensor] = {}
     for target, whole, runs in _grids(captured, info):
@@ -122,10 +140,11 @@ def plan_into(
     # were read: then what it does with the real ones is the loader's to say.
     untouched = (to_checkpoint.get(n, n) for n in captured.untouched)
     skipped = tuple(n for n in untouched if n not in why)
+    overwritten = tuple(to_checkpoint.get(n, n) for n in resolved.overwritten)
     # Claimed by name, not by ignore= patterns or a Dense pattern of every name: a model
     # served in another dtype has every tensor transformed, and matching each name against
     # a pattern per name is quadratic.
-    rule = _Claimed(grids, info, to_checkpoint, (*transformed, *skipped))
+    rule = _Claimed(grids, info, to_checkpoint, (*transformed, *skipped, *overwritten))
     loaded = plan(checkpoint, [rule])
     extras = dict(loaded.extras)
     extras["transformed_bytes"] = {n: tensors[n].nbytes for n in transformed}
@@ -137,6 +156,8 @@ def plan_into(
         skipped=skipped,
         fills=len(captured.fills),
         defaulted=defaulted,
+        overwritten=overwritten,
+        shared=frozenset(to_checkpoint.get(n, n) for n in resolved.shared),
     )
 
 
@@ -152,6 +173,14 @@ def _grids(
     for run in captured.runs:
         source = info(run.tensor)
         whole = run.src == 0 and run.nbytes == source.nbytes
+        if (run.src | run.nbytes) % source.dtype.itemsize:
+            # Only a run cut where a later tensor overwrites part of it can be: it would
+            # have to start or end inside an element.
+            raise CoverageError(
+                f"a later tensor overwrites part of an element of {run.tensor!r} in "
+                f"{captured.targets[run.target][0]!r}: asyncslab cannot read what stands",
+                tensor=run.tensor,
+            )
         by_kind[run.target, run.nbytes, source.dtype, source.shape if whole else None].append(run)
     for (target, nbytes, _, shape), runs in by_kind.items():
         runs.sort(key=_DST)
@@ -220,11 +249,15 @@ class _Claimed:
 
 
 def _check_coverage(
-    captured: Capture, required: Sequence[tuple[str, torch.Tensor]], optional: frozenset[str]
+    captured: Capture,
+    required: Sequence[tuple[str, torch.Tensor]],
+    optional: frozenset[str],
+    shared: frozenset[str] = frozenset(),
 ) -> tuple[str, ...]:
     """Raise :class:`CoverageError` for a byte of a required tensor written by two
-    checkpoint tensors, or by none (nor filled by the loader). An ``optional`` tensor with
-    no byte written is not an error: those are returned."""
+    checkpoint tensors (but for two of ``shared``, whose overlaps the engine's loader
+    replays), or by none (nor filled by the loader). An ``optional`` tensor with no byte
+    written is not an error: those are returned."""
     writes: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
     for run in captured.runs:
         writes[run.target].append((run.dst, run.dst + run.nbytes, run.tensor))
@@ -235,7 +268,7 @@ def _check_coverage(
         spans.sort()
         end, last = -1, ""
         for a, b, source in spans:
-            if a < end and source != last:
+            if a < end and source != last and not (source in shared and last in shared):
                 name = captured.targets[target][0]
                 raise CoverageError(
                     f"{source!r} and {last!r} both write bytes [{a}, {min(b, end)}) of "

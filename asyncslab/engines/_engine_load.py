@@ -55,7 +55,9 @@ class Engine:
     be written too, and need not be. ``names`` maps the names the loader takes to checkpoint
     names (the loader is given exactly these); ``None``: every checkpoint tensor, under its
     own name. ``stand_ins`` is the device of the tensors the engine's own reader would hand
-    its loader.
+    its loader. ``order`` is a sort key of the names the loader takes, in the order the
+    engine's own reader hands them over: where the loader writes one byte from several
+    tensors by design, the last stands (:mod:`._overwrites`); ``None``: checkpoint order.
     """
 
     load: WeightLoader
@@ -64,6 +66,7 @@ class Engine:
     names: Mapping[str, str] | None = None
     optional: frozenset[str] = frozenset()
     stand_ins: str = "cpu"
+    order: Callable[[str], Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,10 +76,12 @@ class EngineLoad:
     ``bytes`` were read straight into the engine's tensors by ``runs`` routes;
     ``transformed`` (checkpoint names, with ``transformed_bytes``) went through the
     engine's loader instead; ``skipped`` it took and dropped; ``defaulted`` are optional
-    parameters no checkpoint tensor wrote. The loader was run on ``recorded`` tensors' stand-ins,
-    the destinations of the others derived from theirs (:mod:`._derive`). Seconds: recording
-    the loader (``capture_s``), planning from it with every byte checked (``plan_s``), the
-    load, feeding the transformed tensors, and all of it."""
+    parameters no checkpoint tensor wrote; ``overwritten`` were not read, every byte of
+    theirs written again by a later tensor as the engine's loader does. The loader was run
+    on ``recorded`` tensors' stand-ins, the destinations of the others derived from theirs
+    (:mod:`._derive`). Seconds: recording the loader (``capture_s``), planning from it with
+    every byte checked (``plan_s``), the load, feeding the transformed tensors, and all of
+    it."""
 
     files: int
     tensors: int
@@ -93,6 +98,7 @@ class EngineLoad:
     total_s: float
     recorded: int = 0
     plan_s: float = 0.0
+    overwritten: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -140,7 +146,12 @@ def load_into_engine(
         )
         recorded = time.perf_counter()
         into = plan_into(
-            checkpoint, captured, engine.parameters, names=names, optional=engine.optional
+            checkpoint,
+            captured,
+            engine.parameters,
+            names=names,
+            optional=engine.optional,
+            order=engine.order,
         )
         if placed is not None:
             placed(
@@ -149,7 +160,9 @@ def load_into_engine(
                     checkpoint,
                     names,
                     [*engine.parameters, *engine.buffers],
-                    [*into.transformed, *into.skipped],
+                    # A tensor whose bytes another writes too is read by the stream at
+                    # reload, in order, not into bytes a later tensor is read into.
+                    [*into.transformed, *into.skipped, *into.shared],
                 )
             )
         planned = time.perf_counter()
@@ -168,6 +181,7 @@ def load_into_engine(
         transformed_bytes=into.transformed_bytes,
         skipped=into.skipped,
         defaulted=into.defaulted,
+        overwritten=into.overwritten,
         capture_s=recorded - started,
         plan_s=planned - recorded,
         recorded=derivation.recorded,

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -121,6 +122,11 @@ class LoadReport(EngineLoad):
             rest.append("none transformed")
         if self.skipped:
             rest.append(f"{len(self.skipped)} skipped by vLLM ({', '.join(self.skipped[:3])})")
+        if self.overwritten:
+            rest.append(
+                f"{len(self.overwritten)} not read, a later tensor writing the same bytes as "
+                f"vLLM's loaders do ({', '.join(self.overwritten[:3])})"
+            )
         if self.defaulted:
             rest.append(
                 f"{len(self.defaulted)} parameters kept vLLM's defaults "
@@ -178,6 +184,7 @@ class AsyncSlabLoader(BaseModelLoader):
             names=names,
             optional=frozenset(_optional(model)),
             stand_ins="cpu",  # where vLLM's own readers put the tensors they hand over
+            order=_reading_order(checkpoint, names),
         )
         entered = time.perf_counter()
         done = load_into_engine(
@@ -283,6 +290,26 @@ class AsyncSlabLoader(BaseModelLoader):
                 if info.file in mine:
                     names[prefix + name] = name
         return checkpoint, names
+
+
+def _reading_order(checkpoint: Checkpoint, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """A sort key of vLLM's names in the order its safetensors reader hands the tensors to
+    ``load_weights`` (``safetensors_weights_iterator``): files in natural order (``-2-``
+    before ``-10-``), each file's tensors by name (``safe_open.keys()`` sorts them). Where
+    vLLM's loaders write one byte from several tensors, the last so read stands."""
+    tensors = checkpoint.tensors
+    keys: dict[Path, list[int | str]] = {}
+
+    def key(name: str) -> tuple[list[int | str], str]:
+        stored = names.get(name, name)
+        file = tensors[stored].file
+        found = keys.get(file)
+        if found is None:
+            parts = re.split(r"(\d+)", Path(file).name)
+            found = keys[file] = [int(p) if p.isdigit() else p for p in parts]
+        return found, stored
+
+    return key
 
 
 class _LogProgress:
