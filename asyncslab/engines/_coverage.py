@@ -93,14 +93,7 @@ def plan_into(
     its reading order; by default the checkpoint's) stands."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
-    files = {f.path: i for i, f in enumerate(checkpoint.files)}
-
-    def stored(name: str) -> tuple[int, int]:
-        # Where a tensor lies: the order in which the engine's loader is handed the
-        # transformed ones (_stream reads in file order).
-        found = tensors[to_checkpoint.get(name, name)]
-        return files[found.file], found.offset
-
+    stored = _stored_order(checkpoint, to_checkpoint)
     resolved = resolve(captured, order or stored, stored)
     captured = resolved.captured
     # Looked up once per tensor: a checkpoint's table builds each TensorInfo on access.
@@ -159,6 +152,22 @@ def plan_into(
         overwritten=overwritten,
         shared=frozenset(to_checkpoint.get(n, n) for n in resolved.shared),
     )
+
+
+def _stored_order(
+    checkpoint: Checkpoint, to_checkpoint: Mapping[str, str]
+) -> Callable[[str], tuple[int, int]]:
+    """A sort key of the engine's names by where their tensors lie: the checkpoint's order,
+    in which the engine's loader is handed the transformed ones (``_stream`` reads in file
+    order)."""
+    tensors = checkpoint.tensors
+    files = {f.path: i for i, f in enumerate(checkpoint.files)}
+
+    def stored(name: str) -> tuple[int, int]:
+        found = tensors[to_checkpoint.get(name, name)]
+        return files[found.file], found.offset
+
+    return stored
 
 
 def _grids(

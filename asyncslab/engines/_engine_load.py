@@ -33,6 +33,7 @@ from ._derive import capture_derived
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._prefault import Prefault
+from ._recording import Capture
 from ._stream import stream_tensors
 
 __all__ = ["Engine", "EngineLoad", "WeightLoader", "host", "load_into_engine", "run_sync"]
@@ -145,26 +146,7 @@ def load_into_engine(
             device=engine.stand_ins,
         )
         recorded = time.perf_counter()
-        into = plan_into(
-            checkpoint,
-            captured,
-            engine.parameters,
-            names=names,
-            optional=engine.optional,
-            order=engine.order,
-        )
-        if placed is not None:
-            placed(
-                placement(
-                    captured,
-                    checkpoint,
-                    names,
-                    [*engine.parameters, *engine.buffers],
-                    # A tensor whose bytes another writes too is read by the stream at
-                    # reload, in order, not into bytes a later tensor is read into.
-                    [*into.transformed, *into.skipped, *into.shared],
-                )
-            )
+        into = _plan(checkpoint, captured, engine, names, placed)
         planned = time.perf_counter()
         loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
@@ -189,6 +171,36 @@ def load_into_engine(
         transformed_s=finished - reads_done,
         total_s=finished - started,
     )
+
+
+def _plan(
+    checkpoint: Checkpoint,
+    captured: Capture,
+    engine: Engine,
+    names: Mapping[str, str],
+    placed: Callable[[Placement], object] | None,
+) -> IntoPlan:
+    into = plan_into(
+        checkpoint,
+        captured,
+        engine.parameters,
+        names=names,
+        optional=engine.optional,
+        order=engine.order,
+    )
+    if placed is not None:
+        placed(
+            placement(
+                captured,
+                checkpoint,
+                names,
+                [*engine.parameters, *engine.buffers],
+                # A tensor whose bytes another writes too is read by the stream at reload,
+                # in order, not into bytes a later tensor is read into.
+                [*into.transformed, *into.skipped, *into.shared],
+            )
+        )
+    return into
 
 
 def _transform(
