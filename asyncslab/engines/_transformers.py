@@ -1,12 +1,14 @@
 """transformers' ``from_pretrained``, each checkpoint tensor read straight into its slot of
 the model's own (fused) parameters, from local files or object storage.
 
-The sequence: open the checkpoint's headers (:meth:`Checkpoint.open`: a directory, or an
-``s3://``/``gs://``/``az://`` prefix, whose config and generation files are fetched by
-asyncslab's own client); build the model as ``from_pretrained`` builds it (its init context:
-the meta device, no initialisation, no tying); find every checkpoint tensor's parameter and
-view with transformers' own conversion mapping, refusing a missing, extra, misshapen or
-mistyped tensor (:mod:`._transformers_places`); on a CPU target, hand each parameter that
+The sequence: read the config (from an ``s3://``/``gs://``/``az://`` prefix, its config and
+generation files are fetched by asyncslab's own client) and refuse a quantized checkpoint
+(a ``quantization_config``: loading it needs transformers' quantizer); open the checkpoint's
+headers (:meth:`Checkpoint.open`: a directory or that prefix); build the model as
+``from_pretrained`` builds it (its init context: the meta device, no initialisation, no
+tying); find every checkpoint tensor's parameter and view with transformers' own
+conversion mapping, refusing a missing, extra, misshapen or mistyped tensor
+(:mod:`._transformers_places`); on a CPU target, hand each parameter that
 one local checkpoint tensor fills whole and as it is a view of its file's private mapping,
 as transformers' own reader does (its pages are read at first use; ``disable_mmap=True``
 reads them now, into memory of the process's own); allocate every other parameter once, on
@@ -52,7 +54,7 @@ from ..loading import (
 )
 from ..planning import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._engine_load import run_sync
-from ._transformers_places import Converted, Places, places
+from ._transformers_places import Converted, Places, places, refuse_quantized
 
 __all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
 
@@ -284,7 +286,7 @@ def _prepare(
         path = Path(where)
         files = path if path.is_dir() else path.parent
     try:
-        checkpoint = Checkpoint.open(where, storage_options=storage_options)
+        given = config is not None
         if config is None:
             if not (files / "config.json").is_file():
                 raise MissingFileError(
@@ -292,6 +294,9 @@ def _prepare(
                 )
             config = AutoConfig.from_pretrained(files)
         config = copy.deepcopy(config)
+        # From the config alone: before a header is opened, let alone a payload byte read.
+        refuse_quantized(config, _config_at(where, files, given))
+        checkpoint = Checkpoint.open(where, storage_options=storage_options)
         cls = _model_class(model_class or AutoModelForCausalLM, config)
         target, cast = _dtype(dtype, config, checkpoint)
         config.dtype = target
@@ -333,6 +338,16 @@ def _prepare(
         sources=sources,
         temporary=temporary,
     )
+
+
+def _config_at(where: str, files: Path, given: bool) -> str:
+    """Where the config came from, for an error to name: the ``config=`` argument, or the
+    ``config.json`` beside the checkpoint (under its URI when it is in object storage)."""
+    if given:
+        return f"{where} (config=...)"
+    if _is_object_uri(where):
+        return f"{where.rstrip('/')}/config.json"
+    return str(files / "config.json")
 
 
 def _model_class(model_class: Any, config: Any) -> Any:

@@ -16,7 +16,8 @@ transformers' own converter on the real bytes (:class:`Converted`).
 Coverage follows from the construction and is checked here, before any read: a stack has
 exactly one tensor per index, a concatenation's parts add up to the parameter, and every
 parameter has its group; a missing, extra, misshapen or mistyped tensor is an asyncslab error
-naming it.
+naming it. A quantized checkpoint (a ``quantization_config``) has no places at all in a model
+built without transformers' quantizer: :func:`refuse_quantized` refuses it from its config.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ import torch
 from ..errors import (
     CoverageError,
     DtypeMismatchError,
+    PlanError,
     ShapeMismatchError,
     UnmatchedTensorError,
 )
 
-__all__ = ["Converted", "Place", "Places", "Shape", "places"]
+__all__ = ["Converted", "Place", "Places", "Shape", "places", "refuse_quantized"]
 
 
 class Shape(Protocol):
@@ -489,3 +491,101 @@ def _by_analogy(key: str, groups: _Groups) -> str | None:
                 name = re.sub(rf"(?<![\d]){t}(?![\d])", m, name, count=1)
         return name
     return None
+
+
+# --- quantized checkpoints: no places without transformers' quantizer --------------------
+
+
+#: Why a method's checkpoint needs transformers' quantizer (as of transformers 5.19); any
+#: other method is named by its quantizer's class.
+_QUANTIZER_WORK: Mapping[str, str] = {
+    "fp8": (
+        "its float8 weights and block scales (weight_scale_inv) need transformers' "
+        "FineGrainedFP8 quantizer: FP8 layers on a GPU that computes in FP8, every weight "
+        "dequantized to bfloat16 elsewhere"
+    ),
+    "compressed-tensors": (
+        "its compressed weights and scales need transformers' CompressedTensors quantizer: "
+        "layers that hold them compressed and decompress them at the first forward (or at "
+        "load)"
+    ),
+}
+
+
+def _quantization(config: Any) -> Mapping[str, Any] | None:
+    """The config's ``quantization_config`` as a dict, found as transformers'
+    ``get_hf_quantizer`` finds it (the config's, or if that is empty its decoder's text
+    config's); ``None`` where there is none. An empty one is found too: transformers refuses
+    it for naming no method."""
+    found = getattr(config, "quantization_config", None)
+    if not found and callable(getattr(config, "get_text_config", None)):
+        found = getattr(config.get_text_config(decoder=True), "quantization_config", None)
+    if found is None:
+        return None
+    if isinstance(found, Mapping):
+        return found
+    # A QuantizationConfigMixin: the config of a model transformers loaded, passed as config=.
+    as_dict = getattr(found, "to_dict", None)
+    return (
+        as_dict() if callable(as_dict) else {"quant_method": getattr(found, "quant_method", None)}
+    )
+
+
+def _quant_method(quantization: Mapping[str, Any]) -> str | None:
+    """The method as transformers' quantizer mapping names it (bitsandbytes' by its bits, as
+    ``AutoHfQuantizer`` does); ``None`` for a config that names none."""
+    for bits in ("4bit", "8bit"):
+        if quantization.get(f"load_in_{bits}"):
+            return f"bitsandbytes_{bits}"
+    method = quantization.get("quant_method")
+    return str(getattr(method, "value", method)) if method is not None else None
+
+
+def refuse_quantized(config: Any, where: str) -> None:
+    """Refuse a quantized checkpoint, from its config alone. asyncslab builds the model
+    without transformers' quantizer, so the checkpoint's tensors (float8 weights and their
+    scales, packed int4) have no place in it, or worse, a place of another meaning; loading
+    it as ``from_pretrained`` does needs the quantizer's layers and weight transforms.
+    Raises :class:`PlanError` naming ``where`` (the config's path) and the method; its
+    ``details`` hold ``method``, ``format`` (compressed-tensors'), ``expected`` and ``got``."""
+    quantization = _quantization(config)
+    if quantization is None:
+        return
+    method = _quant_method(quantization)
+    fmt = quantization.get("format")  # compressed-tensors' layout, where it says one
+    fmt = fmt if isinstance(fmt, str) else None
+    details = {"method": method, "format": fmt, "expected": None, "got": method}
+    if method is None:
+        raise PlanError(
+            "quantization_config names no quant_method, which transformers' from_pretrained "
+            "refuses too (expected no quantization_config, or one naming its method). No "
+            "weight was read",
+            file=where,
+            **details,
+        )
+    named = f"{method!r} (format {fmt!r})" if fmt else repr(method)
+    raise PlanError(
+        f"quantization_config with quant_method {named}: asyncslab.transformers takes "
+        f"unquantized checkpoints only (expected no quantization_config); {_work(method)}. "
+        "Load it with transformers' own from_pretrained. No weight was read",
+        file=where,
+        **details,
+    )
+
+
+def _work(method: str) -> str:
+    """Why a checkpoint quantized with ``method`` needs transformers' quantizer."""
+    work = _QUANTIZER_WORK.get(method)
+    if work is not None:
+        return work
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    quantizer = AUTO_QUANTIZER_MAPPING.get(method)
+    if quantizer is None:
+        return (
+            "transformers has no quantizer for it (it would skip the config with a warning); "
+            "asyncslab does not guess"
+        )
+    return (
+        f"it needs transformers' {quantizer.__name__}, which replaces layers or transforms weights"
+    )

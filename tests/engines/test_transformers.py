@@ -26,11 +26,19 @@ import asyncslab.transformers as ast
 from asyncslab.errors import (
     CoverageError,
     DtypeMismatchError,
+    PayloadSizeError,
     PlanError,
     ShapeMismatchError,
     UnmatchedTensorError,
 )
-from tests.engines.transformers_models import MODELS, build, save
+from tests.engines.transformers_models import (
+    COMPRESSED,
+    MODELS,
+    build,
+    save,
+    write_compressed,
+    write_fp8,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,9 +59,13 @@ def test_the_transformers_api_asyncslab_relies_on_is_there() -> None:
     from transformers.modeling_utils import LoadStateDictConfig, _is_on_hf_mount
     from transformers.models.auto.auto_factory import _get_model_class
     from transformers.monkey_patching import patch_output_recorders
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
     from transformers.utils.loading_report import LoadStateDictInfo
 
     assert callable(_get_model_class)
+    # The quantizers a refused quantized checkpoint is explained by (_refuse_quantized).
+    assert AUTO_QUANTIZER_MAPPING["fp8"].__name__ == "FineGrainedFP8HfQuantizer"
+    assert AUTO_QUANTIZER_MAPPING["compressed-tensors"].__name__ == "CompressedTensorsHfQuantizer"
     assert _is_on_hf_mount(Path(__file__)) is False
     assert callable(patch_output_recorders)
     for name in (
@@ -458,6 +470,160 @@ def test_a_missing_config_is_named(tmp_path: Path, mixtral_dir: Path) -> None:
         ast.from_pretrained(directory)
     config = json.loads((mixtral_dir / "config.json").read_text())
     assert config["model_type"] == "mixtral"
+
+
+# --- quantized checkpoints: refused, naming the method, before any read --------------------
+
+
+def _quantized(kind: str, directory: Path) -> Path:
+    """A checkpoint of ``kind``: ``fp8`` (block-wise, a Qwen3-MoE: attention, dense and
+    per-expert weights) or a compressed-tensors scheme of :data:`COMPRESSED` (a Llama,
+    written by compressed-tensors' own ``ModelCompressor``)."""
+    if kind == "fp8":
+        return write_fp8(build("qwen3_moe"), directory)
+    pytest.importorskip("compressed_tensors")  # vLLM's dependency: Linux x86-64 and arm64
+    return write_compressed(build("llama_tied"), directory, kind)
+
+
+def _cut(source: Path, target: Path) -> Path:
+    """``source``'s checkpoint with each safetensors file cut after its header and half its
+    payload: any read of the payload, or the check of its size when the headers are
+    opened, fails."""
+    shutil.copytree(source, target)
+    for shard in target.glob("*.safetensors"):
+        data = shard.read_bytes()
+        header = 8 + int.from_bytes(data[:8], "little")
+        shard.write_bytes(data[: header + (len(data) - header) // 2])
+    return target
+
+
+#: kind -> the method and format its error names.
+QUANTIZED = {
+    "fp8": ("fp8", None),
+    "w8a8": ("compressed-tensors", "int-quantized"),
+    "w4a16": ("compressed-tensors", "pack-quantized"),
+}
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZED))
+def test_a_quantized_checkpoint_is_refused_naming_its_method_before_any_read(
+    kind: str, tmp_path: Path
+) -> None:
+    """A ``quantization_config`` is refused from the config alone, by a :class:`PlanError`
+    naming the method (and compressed-tensors' format), the config's path, and what to do:
+    the checkpoint's payload is cut short, so a read, or even the check of the payload's
+    size when the headers are opened, would fail otherwise; with ``dtype=`` and from async
+    code alike. Without its ``quantization_config`` the same files are refused for their
+    payload: the refusal came first."""
+    method, fmt = QUANTIZED[kind]
+    cut = _cut(_quantized(kind, tmp_path / kind), tmp_path / "cut")
+    named = re.escape(repr(method) + (f" (format {fmt!r})" if fmt else ""))
+    match = (
+        rf"^{re.escape(str(cut / 'config.json'))}: quantization_config with quant_method "
+        rf"{named}: asyncslab\.transformers takes unquantized checkpoints only \(expected no "
+        r"quantization_config\); .*transformers' .*quantizer.*Load it with transformers' own "
+        r"from_pretrained\. No weight was read$"
+    )
+    calls: list[Callable[[], Any]] = [
+        lambda: ast.from_pretrained(cut),
+        lambda: ast.load(cut, dtype=torch.float32),
+        lambda: asyncio.run(ast.load_pretrained(cut)),
+    ]
+    for call in calls:
+        with pytest.raises(PlanError, match=match) as raised:
+            call()
+        assert type(raised.value) is PlanError
+        assert raised.value.file == str(cut / "config.json")
+        assert raised.value.details == {
+            "method": method,
+            "format": fmt,
+            "expected": None,
+            "got": method,
+        }
+    config = json.loads((cut / "config.json").read_text())
+    del config["quantization_config"]
+    (cut / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PayloadSizeError):
+        ast.from_pretrained(cut)
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "w4a16"])
+def test_transformers_loads_compressed_tensors_through_its_quantizer(
+    kind: str, tmp_path: Path
+) -> None:
+    """What asyncslab refuses to imitate: transformers' own load of a compressed-tensors
+    checkpoint runs its ``CompressedTensorsHfQuantizer``, which gives the quantized layers
+    compressed parameters (int8 ``weight`` or ``weight_packed`` and ``weight_shape``, beside
+    ``weight_scale``) a model built without it does not have. Its config, passed as
+    ``config=`` (a ``CompressedTensorsConfig`` now, no dict), is refused the same way."""
+    directory = _quantized(kind, tmp_path / kind)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert type(ref.hf_quantizer).__name__ == "CompressedTensorsHfQuantizer"
+    quantized = set(ref.state_dict()) - set(build("llama_tied").state_dict())
+    assert "model.layers.0.self_attn.q_proj.weight_scale" in quantized
+    q_proj = dict(ref.model.layers[0].self_attn.q_proj.named_parameters())
+    if kind == "w8a8":
+        assert q_proj["weight"].dtype == torch.int8
+    else:
+        assert q_proj["weight_packed"].dtype == torch.int32
+        assert "weight" not in q_proj
+    fmt = COMPRESSED[kind][0]
+    with pytest.raises(PlanError, match=rf"'compressed-tensors' \(format '{fmt}'\)") as raised:
+        ast.from_pretrained(directory, config=ref.config)
+    assert raised.value.file == f"{directory} (config=...)"
+
+
+def test_transformers_dequantizes_fp8_on_a_cpu_or_refuses_it(tmp_path: Path) -> None:
+    """What asyncslab refuses to imitate, on a CPU: transformers' FineGrainedFP8 quantizer
+    refuses the checkpoint without accelerate, and with it dequantizes every weight to
+    bfloat16 (float8 times its block's scale): a weight transform, not a placement."""
+    import importlib.util
+
+    directory = _quantized("fp8", tmp_path / "fp8")
+    if importlib.util.find_spec("accelerate") is None:
+        with pytest.raises(ImportError, match="requires accelerate"):
+            transformers.AutoModelForCausalLM.from_pretrained(directory)
+        return
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU transformers keeps FP8 layers; this checks the CPU's dequantizing")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert tensors[name].dtype == torch.float8_e4m3fn
+    assert tensors[f"{name}_scale_inv"].shape == (1, 1)  # one block: the whole weight
+    dequantized = (tensors[name].float() * tensors[f"{name}_scale_inv"]).to(torch.bfloat16)
+    assert torch.equal(ref.get_parameter(name), dequantized)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "match"),
+    [
+        (
+            {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+            r"quant_method 'awq': .*it needs transformers' AwqQuantizer",
+        ),
+        ({"load_in_4bit": True}, r"quant_method 'bitsandbytes_4bit': .*Bnb4BitHfQuantizer"),
+        (
+            {"quant_method": "no-such-method"},
+            r"quant_method 'no-such-method': .*transformers has no quantizer for it",
+        ),
+        ({}, r"names no quant_method, which transformers' from_pretrained refuses too"),
+    ],
+    ids=["awq", "bitsandbytes", "unknown", "empty"],
+)
+def test_any_quantization_config_is_refused_before_any_read(
+    mixtral_dir: Path, tmp_path: Path, quantization: dict[str, Any], match: str
+) -> None:
+    """Any method, not only those tested with their checkpoints: transformers' quantizer
+    named; a method transformers does not know (it would load the checkpoint as if the
+    config were not there) is refused too, and so is an empty config, which transformers
+    refuses. The payload is cut short, as above."""
+    cut = _cut(mixtral_dir, tmp_path / "cut")
+    config = json.loads((cut / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (cut / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PlanError, match=match):
+        ast.from_pretrained(cut)
 
 
 def test_the_command_line_loads_a_transformers_model(
