@@ -117,6 +117,31 @@ def _watching(
             cls.load_weights = original  # type: ignore[method-assign]
 
 
+def _select_kernels_without_running_them() -> None:
+    """Let vLLM's CPU build pick kernels for the quantized formats it has none for on this
+    CPU, so that their models can be created and loaded (and their bytes compared) where
+    serving them is impossible: block-wise FP8's linear kernel and MXFP4's experts need AMX,
+    NVFP4 has no CPU row in vLLM's kernel table (its pure-torch emulation kernel is put
+    there; its experts' device check is skipped). Each patch answers only "is this kernel
+    eligible here"; ``create_weights`` builds the chosen kernel's object without running it,
+    and nothing runs it before ``process_weights_after_loading``, after the bytes of
+    ``load_weights`` are taken."""
+    from vllm.model_executor.kernels import linear
+    from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe, nvfp4_emulation_moe
+    from vllm.platforms.interface import PlatformEnum
+
+    def eligible(*_: Any) -> tuple[bool, None]:
+        return True, None
+
+    cpu.CPUFp8BlockScaledMMKernel.is_supported = classmethod(eligible)  # type: ignore[assignment]
+    cpu_moe.CPUExpertsMxfp4._supports_current_device = staticmethod(lambda: True)  # type: ignore[method-assign]
+    linear._POSSIBLE_NVFP4_KERNELS[PlatformEnum.CPU] = [EmulationNvFp4LinearKernel]
+    experts = nvfp4_emulation_moe.Nvfp4QuantizationEmulationTritonExperts
+    experts._supports_current_device = staticmethod(lambda: True)  # type: ignore[method-assign]
+
+
 def _compare(snapshots: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
     auto, ours = snapshots.get("auto"), snapshots.get("asyncslab")
     if auto is None or ours is None:
@@ -134,6 +159,8 @@ def loads(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
     import asyncslab.vllm  # noqa: F401 - registers the format, as the plugin does
 
+    if any(case.get("select_kernels") for case in cases):
+        _select_kernels_without_running_them()
     # vLLM's parallel groups, once, from the first case: an MoE model's, so that the
     # expert-parallel group exists for the MoE cases too.
     first = EngineArgs(model=cases[0]["model"], max_model_len=128, enforce_eager=True)
@@ -205,6 +232,8 @@ def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import asyncslab.vllm  # noqa: F401
 
+    if any(case.get("select_kernels") for case in cases):
+        _select_kernels_without_running_them()
     out: dict[str, Any] = {}
     for case in cases:
         missing = _missing_kernels(case.get("kernels", []))
