@@ -11,7 +11,8 @@
 # row. The transformers case (skipped where transformers is not importable): TF_MODELS
 # (default qwen3moe: 128 experts a layer) written with --quick (small; TF_QUICK=0 for the
 # benchmark's full sizes, GBs to write), TF_ROUNDS rounds (default 3), TF_TIMEOUT seconds
-# (default 90); it exits 1 if a tensor or the logits differ. Where vLLM is importable,
+# (default 90); it exits 1 if a tensor or the logits differ. Where vLLM is importable, a
+# block-wise FP8 MoE is served with both load formats (VLLM_FP8_TIMEOUT, default 240 s), and
 # VLLM_BENCH_TIMEOUT=N (seconds; default 0: skipped, it does not fit the same 10 minutes)
 # adds benchmarks/vllm_bench.py --device cuda, one round.
 set -uo pipefail
@@ -54,6 +55,14 @@ else
 fi
 timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"
+# Block-wise FP8 MoE end to end in vLLM against auto (greedy tokens, the bytes after
+# load_weights), where vLLM is importable; it exits 1 if anything differs.
+if python3 -c "import vllm" 2>/dev/null; then
+  timeout -k 10 "${VLLM_FP8_TIMEOUT:-240}" python3 benchmarks/vllm_fp8_check.py \
+    --json "$results/vllm_fp8.json" 2>&1 | tee "$results/vllm_fp8.log"
+else
+  echo "vLLM is not importable here: the FP8 end-to-end check skipped" | tee "$results/vllm_fp8.log"
+fi
 if [ "${VLLM_BENCH_TIMEOUT:-0}" -gt 0 ]; then
   if python3 -c "import vllm" 2>/dev/null; then
     timeout -k 10 "$VLLM_BENCH_TIMEOUT" python3 benchmarks/vllm_bench.py --device cuda \
