@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..errors import CoverageError
-from ._recording import Capture, Run, Write
+from ._recording import READ_BACK, Capture, Run, Write
 
 __all__ = ["Overwrites", "resolve", "SHARED_BY_DESIGN"]
 
@@ -211,7 +211,8 @@ def _replayed(
         gone = _covered(lost.get(-1 - i, []), w.start, w.end)
         standing[w.tensor] = standing.get(w.tensor, False) or not gone
     for name, stands in standing.items():
-        if not stands:
+        # A loader that read back the bytes it wrote must be handed every writer, in order.
+        if not stands and not transformed.get(name, "").startswith(READ_BACK):
             transformed.pop(name, None)
     grown = True
     while grown:

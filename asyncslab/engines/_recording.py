@@ -17,6 +17,11 @@ of the engine must then be run again on the real tensor; nothing is guessed.
 
 Writes into destinations that do not come from a stand-in (vLLM zero-fills the padding of
 a vocabulary) run for real while recording and are recorded as *fills*.
+
+A loader that reads a destination's values (vLLM's MoE loader compares an expert's input
+scale with the one an earlier tensor wrote there) reads, while recorded, bytes no copy has
+changed: what it does with the real ones cannot be known. Every tensor that writes bytes it
+reads so is transformed too (:data:`READ_BACK`), and goes through the loader, in order.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import CaptureError
 
-__all__ = ["Capture", "Fill", "Run", "Write", "capture", "MIN_RUN_BYTES"]
+__all__ = ["Capture", "Fill", "Run", "Write", "capture", "MIN_RUN_BYTES", "READ_BACK"]
 
 aten = torch.ops.aten
 
@@ -43,6 +48,8 @@ aten = torch.ops.aten
 MIN_RUN_BYTES = 16
 #: Nor is a copy of more runs than this read run by run.
 MAX_RUNS = 1 << 22
+#: Why a tensor is transformed when the loader reads the bytes it writes.
+READ_BACK = "the loader reads back bytes it writes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +215,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.filling: set[str] = set()
         # Per target: the byte runs recorded so far, to notice a fill over one of them.
         self._claimed: dict[int, list[tuple[int, int, str]]] = {}
+        # Per target: the byte spans the loader read the values of, and with which op.
+        self._read: dict[int, list[tuple[int, int, str]]] = {}
 
     # --- bookkeeping -----------------------------------------------------------------
 
@@ -233,6 +242,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     "into it: asyncslab cannot load this model in place"
                 )
         untouched = tuple(n for n in self.yielded if n not in self.written)
+        if self._read:
+            self._transform_read_back()
         return Capture(
             targets=tuple(self._targets),
             runs=tuple(r for r in self.runs if r.tensor not in self.transformed),
@@ -274,6 +285,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = func(*args, **kwargs)
             if op.mutates_first:
                 self._maybe_fill(op.name, args)
+            elif not op.is_view and not op.makes_new:
+                self._maybe_read(op.name, leaves)
             return out
         self._count(op)
         names = tuple(dict.fromkeys(itertools.chain.from_iterable(o.names for o in origins)))
@@ -298,6 +311,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     origins[0].names, base, src.element_size()
                 )
             return out
+        if not op.is_view and not op.mutates_first:
+            self._maybe_read(op.name, leaves)
         out = func(*args, **kwargs)
         if func in _VALUE_READS or not isinstance(out, (torch.Tensor, tuple, list)):
             self._transform(names, f"the loader reads its values ({op.name})")
@@ -370,6 +385,27 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for name in names:
                 self.writes.append(Write(name, target, start, end))
 
+    def _maybe_read(self, op: str, leaves: list[Any]) -> None:
+        """Note the destination bytes an op that computes from its inputs read."""
+        for leaf in leaves:
+            if not leaf.numel():
+                continue
+            target = self._target_of.get(_storage_ptr(leaf))
+            if target is not None:
+                spans = self._read.setdefault(target, [])
+                spans.extend((start, end, op) for start, end in _spans(leaf))
+
+    def _transform_read_back(self) -> None:
+        writes = [(r.target, r.dst, r.dst + r.nbytes, r.tensor) for r in self.runs]
+        writes += [(w.target, w.start, w.end, w.tensor) for w in self.writes]
+        for target, start, end, name in writes:
+            for a, b, op in self._read.get(target, ()):
+                if a < end and start < b:
+                    # Over any other reason: the overlaps' resolution must hand the loader
+                    # every such tensor (_overwrites), which it tells by this one.
+                    self.transformed[name] = f"{READ_BACK} ({op})"
+                    break
+
     def _maybe_fill(self, op: str, args: tuple[Any, ...]) -> None:
         """Record what an in-place op (``op``) the loader ran for real wrote into a
         destination."""
@@ -419,6 +455,8 @@ class _Op:
     mutates_first: bool
     #: Its results alias its inputs (``slice``, ``unbind``).
     is_view: bool
+    #: Makes a tensor from its input's metadata alone (``new_zeros``, ``empty_like``).
+    makes_new: bool = False
 
 
 def _op(func: Any) -> _Op:
@@ -428,10 +466,13 @@ def _op(func: Any) -> _Op:
     if known is None:
         schema = getattr(func, "_schema", None)
         first = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+        name = str(getattr(func, "__name__", func))
+        base = name.partition(".")[0]
         known = _OPS[func] = _Op(
-            name=str(getattr(func, "__name__", func)),
+            name=name,
             mutates_first=first is not None and first.is_write,
             is_view=bool(getattr(func, "is_view", False)),
+            makes_new=base.startswith(("new_", "empty")) or base.endswith("_like"),
         )
     return known
 

@@ -39,9 +39,9 @@ class Fused(nn.Module):
         self.w13 = nn.Parameter(
             torch.zeros(EXPERTS, 4, 4, dtype=torch.bfloat16), requires_grad=False
         )
-        self.w13_scale = nn.Parameter(
-            torch.zeros(EXPERTS, dtype=torch.float32), requires_grad=False
-        )
+        # float64 where the checkpoint has float32 in "check float64": cast, and checked.
+        scale = torch.float64 if variant == "check float64" else torch.float32
+        self.w13_scale = nn.Parameter(torch.zeros(EXPERTS, dtype=scale), requires_grad=False)
         # Elements [0, 3) from ``q.band``, [2, 5) from ``k.band``: one element overlaps.
         self.band = nn.Parameter(torch.zeros(5, dtype=torch.float32), requires_grad=False)
 
@@ -60,8 +60,13 @@ class Fused(nn.Module):
                 expert, proj, leaf = int(parts[1]), parts[2], parts[3]
                 if leaf == "weight":
                     self.w13.data[expert].narrow(0, 0 if proj == "gate" else 2, 2).copy_(w)
-                else:
-                    self.w13_scale.data[expert] = w
+                    continue
+                slot = self.w13_scale.data[expert]
+                # As vLLM's MoE loader checks a compressed-tensors expert's input scales: the
+                # second must agree with the first, unless the slot is still as created.
+                if self.variant.startswith("check") and slot != 0 and (slot - w).abs() > 1e-5:
+                    raise ValueError(f"scales of expert {expert} differ")
+                self.w13_scale.data[expert] = w
             else:
                 raise KeyError(f"no parameter for {name!r}")
 
@@ -219,3 +224,36 @@ def test_an_overlap_of_unfused_modules_or_of_other_companions_is_refused(tmp_pat
     ckpt = write(tmp_path, tensors)
     with pytest.raises(CoverageError, match="'w13_scale'"):
         planned(Crossed(), ckpt)
+
+
+@pytest.mark.parametrize("variant", ["check", "check float64"])
+@pytest.mark.asyncio
+async def test_a_loader_that_reads_back_what_it_wrote_is_handed_every_writer(
+    tmp_path: Path, variant: str
+) -> None:
+    """While recorded, the loader's check reads a slot no copy has changed, and passes: the
+    tensors writing that slot go through the loader instead, every one in order, so that
+    the check runs on the real values: agreeing ones load as in the engine's own load,
+    disagreeing ones fail as there. The same where the loader also casts them."""
+    tensors = fused_weights()
+    for e in range(EXPERTS):
+        tensors[f"experts.{e}.up.scale"] = tensors[f"experts.{e}.gate.scale"].clone()
+    ckpt = write(tmp_path / "agree", tensors)
+    model = Fused(variant)
+    into = planned(model, ckpt)
+    scales = {f"experts.{e}.{p}.scale" for e in range(EXPERTS) for p in ("gate", "up")}
+    assert set(into.transformed) == scales
+    assert all(
+        w.startswith("the loader reads back bytes it writes") for w in into.transformed.values()
+    )
+    assert not scales & set(into.overwritten)
+    await load(model, ckpt, into)
+    same_bytes(model, reference(tensors, list(ckpt.tensors), variant))
+
+    tensors["experts.1.up.scale"] = tensors["experts.1.up.scale"] * 2
+    ckpt = write(tmp_path / "differ", tensors)
+    with pytest.raises(ValueError, match="scales of expert 1 differ"):
+        reference(tensors, list(ckpt.tensors), variant)
+    model = Fused(variant)
+    with pytest.raises(ValueError, match="scales of expert 1 differ"):
+        await load(model, ckpt, planned(model, ckpt))

@@ -133,6 +133,10 @@ def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for name, write in COMPRESSED.items():
             root = write(tmp / f"{name}-{arch}", arch)
             cases.append({"name": f"{name}-{arch}", "model": str(root), "select_kernels": True})
+    # Scales vLLM's compressed-tensors MoE loader refuses: gate's and up's differ.
+    root = _apart(write_fp8_model(tmp / "ct-fp8-static-apart", "qwen3_moe", static=True))
+    for fmt in ("auto", "asyncslab"):
+        cases.append({"name": f"ct-fp8-static-apart-{fmt}", "model": str(root), "formats": [fmt]})
     root = _apart(write_fp8_tensor_model(tmp / "fp8-static-split", "qwen3_moe"))
     _split_against_name_order(root)
     cases.append({"name": "fp8-static-split", "model": str(root)})
@@ -199,15 +203,16 @@ def test_compressed_tensors_formats_load_byte_for_byte(
     assert all(n.rpartition(".")[2] in _VLLM_CASTS for n in transformed), transformed
     assert report["runs"] >= report["tensors"] - len(transformed) - len(report["overwritten"])
     if name == "ct-fp8-static" and arch == "qwen3_moe":
-        # One input scale per expert, as with the fp8 method's static MoE (the values agree
-        # here: vLLM refuses gate and up scales that differ, see docs/vllm.md's Limits).
-        assert sorted(report["overwritten"]) == sorted(_expert_scales(2, 8, "gate"))
-    elif not name.startswith("ct-w4a16"):
+        # One input scale per expert, which vLLM's loader writes from gate_proj's and then
+        # checks up_proj's against: both go through it, in order (the next test).
+        scales = _expert_scales(2, 8, "gate") + _expert_scales(2, 8, "up")
+        assert set(scales) <= set(transformed)
+    if not name.startswith("ct-w4a16"):
         assert report["overwritten"] == []
 
 
 #: What vLLM's loaders change on compressed-tensors' way: scales kept in float32, the MoE's
-#: weight_shape kept in bfloat16.
+#: weight_shape kept in bfloat16, the static MoE's input scales checked.
 _VLLM_CASTS = ("weight_scale", "input_scale", "weight_shape")
 
 
@@ -233,6 +238,19 @@ def test_pack_quantized_weight_shapes_keep_the_last_shards(
         ]
     assert sorted(report["overwritten"]) == sorted(attention + mlp)
     assert not set(report["overwritten"]) & set(report["transformed"])
+
+
+def test_a_check_vllms_loader_makes_of_what_it_wrote_runs_on_the_real_values(
+    loads: dict[str, Any],
+) -> None:
+    """vLLM's loader refuses a compressed-tensors static FP8 expert whose gate and up input
+    scales differ, comparing the second with the first it wrote. While recorded the check
+    reads a slot no copy has changed, and passes; asyncslab hands both tensors to the
+    loader, in vLLM's order, and the check refuses the checkpoint as under ``auto``."""
+    auto, ours = loads["ct-fp8-static-apart-auto"], loads["ct-fp8-static-apart-asyncslab"]
+    assert auto["error"] == "ValueError", auto
+    assert "input_scales of w1 and w3" in auto["message"]
+    assert (ours["error"], ours["message"]) == (auto["error"], auto["message"])
 
 
 def test_the_write_vllm_keeps_follows_its_reading_order_across_files(
