@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.engines.vllm_models import CONFIGS, VOCAB, _tokenizer
+from tests.engines.vllm_models import CONFIGS, VOCAB, _tokenizer, random_model
 
 _SIZES: dict[str, Any] = {
     # Every quantized layer's input width (128, or 256 for Llama's down_proj) is a multiple
@@ -186,20 +186,14 @@ def write_compressed_model(
 def _float_model(arch: str, seed: int) -> Any:
     """``arch``'s model, made in bfloat16 as ``write_model`` makes it; a MoE's experts
     unfused into one MLP per expert."""
-    import transformers
-
-    class_name, config_name, defaults = ARCHS[arch]
-    cfg = getattr(transformers, config_name)(**defaults, bos_token_id=1, eos_token_id=2)
-    cfg.dtype = torch.bfloat16
-    torch.manual_seed(seed)
+    model = random_model(*ARCHS[arch], torch.bfloat16, seed)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)  # the unfused experts too
     try:
-        model = getattr(transformers, class_name)(cfg)
         for layer in model.model.layers:
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
-                layer.mlp.experts = _Experts(cfg, experts)
+                layer.mlp.experts = _Experts(model.config, experts)
     finally:
         torch.set_default_dtype(default)
     return model.eval()

@@ -134,17 +134,7 @@ def write_model(
     import transformers
 
     class_name, config_name, defaults = CONFIGS[arch]
-    cfg = getattr(transformers, config_name)(
-        **{**defaults, **config}, bos_token_id=1, eos_token_id=2
-    )
-    cfg.dtype = dtype
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # made in its dtype: no float32 copy of a large model
-    try:
-        model = getattr(transformers, class_name)(cfg)
-    finally:
-        torch.set_default_dtype(default)
+    model = random_model(class_name, config_name, {**defaults, **config}, dtype, seed)
     nbytes = sum(t.nbytes for t in model.state_dict().values())
     # save_pretrained writes the published layout (Mixtral's experts one tensor each), in
     # about ``shards`` files, with an index when more than one.
@@ -154,6 +144,24 @@ def write_model(
     del model
     _tokenizer(root, transformers)
     return root
+
+
+def random_model(
+    class_name: str, config_name: str, config: dict[str, Any], dtype: torch.dtype, seed: int
+) -> Any:
+    """transformers' ``class_name`` with ``config``, its seeded random initialisation made
+    in ``dtype`` (no float32 copy of a large model)."""
+    import transformers
+
+    cfg = getattr(transformers, config_name)(**config, bos_token_id=1, eos_token_id=2)
+    cfg.dtype = dtype
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return getattr(transformers, class_name)(cfg)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _tokenizer(root: Path, transformers: Any) -> None:
@@ -237,16 +245,8 @@ def _write_4bit(
     import transformers
     from safetensors.torch import save_file
 
-    class_name, config_name, defaults = CONFIGS["llama"]
-    cfg = getattr(transformers, config_name)(**defaults, bos_token_id=1, eos_token_id=2)
-    cfg.dtype = torch.float16
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float16)
-    try:
-        model = getattr(transformers, class_name)(cfg)
-    finally:
-        torch.set_default_dtype(default)
+    model = random_model(*CONFIGS["llama"], torch.float16, seed)
+    cfg = model.config
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         layer, _, kind = name.rpartition(".")
