@@ -5,7 +5,9 @@ fresh process, interleaved round by round (the order reversed every other round)
 
 Without ``--model`` it writes a Mixtral-like bfloat16 model (``--shape bench``: 18 layers x 8
 experts, about 1.48 GB; ``moe128``, ``moe256``: 24 layers x 128 or 256 experts on skinny
-dimensions, the tensor counts of real MoE checkpoints; kept in ``--workdir``). Per contender
+dimensions, the tensor counts of real MoE checkpoints; ``moe128-fp8``: ``moe128`` in
+block-wise FP8 as DeepSeek-V3 and Qwen3-FP8 ship it, each linear weight float8 beside its
+``weight_scale_inv``; kept in ``--workdir``). Per contender
 and round a child process creates the model as vLLM does (``create_model``) and times the
 loader's ``load_weights`` call, ``process_weights_after_loading`` and the two ``gc.collect()``
 calls vLLM's ``load_model`` makes; it reports peak RSS growth over the model's creation, and
@@ -25,6 +27,11 @@ The paths (``--paths``, all by default), each a row of asyncslab against ``auto`
   RL trainers take; vLLM's re-processing included; in the warm child), with a checksum of
   every processed parameter after it;
 * ``float32``: the bfloat16 checkpoint served in float32 (every tensor cast by vLLM's loaders).
+
+A block-wise FP8 model on a CPU without AMX (vLLM's CPU build has no FP8 kernel for it):
+the children tell vLLM's kernel selection the kernel is eligible, as the tests do
+(``tests/engines/vllm_worker.py``), and skip what would run it: processing and the
+``reload`` path; ``float32`` does not apply.
 
 Targets (printed, never asserted): on every row asyncslab's median at most 1.05x ``auto``'s;
 on the first-load rows asyncslab at least 2x faster than the fastest of vLLM's own formats
@@ -98,6 +105,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     # 24 x (256 x 3 + 7) + 3 = 18,603 tensors, 0.64 GB.
     "moe256": {**_SKINNY, "intermediate_size": 64, "num_local_experts": 256},
 }
+#: Shapes written as another one, then quantized in place (``to_fp8_block``): every linear
+#: weight a whole number of FP8's 128 x 128 blocks. 24 x (128 x 6 + 11) + 3 = 18,699
+#: tensors, 0.36 GB.
+QUANTIZED = {"moe128-fp8": "moe128"}
 
 
 def _status(field: str) -> int:
@@ -146,6 +157,7 @@ def child_load(model: str, contender: str, device: str, mode: str = "warm") -> d
 
     import asyncslab.vllm  # noqa: F401 - the plugin registers it in a real vLLM process
 
+    serves = _kernels_here(Path(model), device)
     spec = CONTENDERS[contender]
     config = EngineArgs(
         model=model,
@@ -190,6 +202,8 @@ def child_load(model: str, contender: str, device: str, mode: str = "warm") -> d
             weights = loader.get_all_weights(config.model_config, model_)
             out["direct_s"] = _timed(device, model_.load_weights, weights)
             out["direct_checksum"] = _checksum(model_)
+        if not serves:
+            return out
         t2 = time.perf_counter()
         gc.collect()
         t3 = time.perf_counter()
@@ -204,6 +218,24 @@ def child_load(model: str, contender: str, device: str, mode: str = "warm") -> d
             out["reload_s"] = _timed(device, reload_weights, config, model_, None, None, True)
             out["reload_checksum"] = _checksum(model_)
     return out
+
+
+def _kernels_here(model: Path, device: str) -> bool:
+    """Whether vLLM has kernels for ``model`` on ``device``: not for block-wise FP8 on a
+    CPU without AMX, whose kernel selection is then told the kernel is eligible (so that
+    the model can be created and loaded; nothing runs it before processing)."""
+    config = json.loads((model / "config.json").read_text())
+    quantization = config.get("quantization_config") or {}
+    if device != "cpu" or "weight_block_size" not in quantization:
+        return True
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        return True
+    from tests.engines.vllm_worker import _select_kernels_without_running_them
+
+    _select_kernels_without_running_them()
+    return False
 
 
 def _timed(device: str, fn: Any, *args: Any) -> float:
@@ -329,10 +361,13 @@ def _table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['contender']} | failed: {r['error'].splitlines()[-1][:80]} |")
             continue
         gbps = r["param_bytes"] / r["median_s"] / 1e9
+        # Not processed where vLLM has no kernel for the model here (_kernels_here).
+        process, gc = (
+            f"{r[k]:.2f} s" if r.get(k) is not None else "-" for k in ("process_weights_s", "gc_s")
+        )
         lines.append(
             f"| {r['contender']} | {r['median_s']:.2f} s ({r['min_s']:.2f}-{r['max_s']:.2f}) "
-            f"| {gbps:.2f} | {r.get('process_weights_s', float('nan')):.2f} s "
-            f"| {r.get('gc_s', float('nan')):.2f} s | {r['peak_rss_growth'] / 2**20:,.0f} MiB "
+            f"| {gbps:.2f} | {process} | {gc} | {r['peak_rss_growth'] / 2**20:,.0f} MiB "
             f"| {r.get('pointers_kept', '-')} |"
         )
     return "\n".join(lines)
@@ -498,10 +533,11 @@ def main() -> None:
     ap.add_argument("--model", help="a model directory (default: write --shape's model)")
     ap.add_argument(
         "--shape",
-        choices=list(SHAPES),
+        choices=[*SHAPES, *QUANTIZED],
         default="bench",
         help="the model written without --model: bench (18 layers x 8 experts, 1.48 GB), "
-        "moe128 or moe256 (24 layers x 128 or 256 experts, skinny)",
+        "moe128 or moe256 (24 layers x 128 or 256 experts, skinny), moe128-fp8 (moe128 in "
+        "block-wise FP8)",
     )
     ap.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "asyncslab-vllm-bench"))
     ap.add_argument("--rounds", type=int, default=5)
@@ -524,10 +560,13 @@ def main() -> None:
     else:
         model = Path(args.workdir) / ("mixtral-bench" if args.shape == "bench" else args.shape)
         if not (model / "config.json").exists():
+            from tests.engines.quantized_models import to_fp8_block
             from tests.engines.vllm_models import write_model
 
             print(f"writing the {args.shape} model into {model} ...", flush=True)
-            write_model(model, "mixtral", shards=4, **SHAPES[args.shape])
+            write_model(model, "mixtral", shards=4, **SHAPES[QUANTIZED.get(args.shape, args.shape)])
+            if args.shape in QUANTIZED:
+                to_fp8_block(model)
     names = [*CONTENDERS, *BOUNDS]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
