@@ -26,6 +26,7 @@ reads so is transformed too (:data:`READ_BACK`), and goes through the loader, in
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import mmap
@@ -396,15 +397,32 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 spans.extend((start, end, op) for start, end in _spans(leaf))
 
     def _transform_read_back(self) -> None:
+        # Per target, the spans read, sorted by start with the furthest end so far: a
+        # write's overlap is then one bisection (an MoE layer's loader reads a slot per
+        # expert, hundreds, and writes there as many times).
+        read: dict[int, tuple[list[int], list[int], list[str]]] = {}
+        for target, spans in self._read.items():
+            spans.sort()
+            reach, ends = 0, []
+            for _, end, _ in spans:
+                reach = max(reach, end)
+                ends.append(reach)
+            read[target] = ([a for a, _, _ in spans], ends, [op for _, _, op in spans])
         writes = [(r.target, r.dst, r.dst + r.nbytes, r.tensor) for r in self.runs]
         writes += [(w.target, w.start, w.end, w.tensor) for w in self.writes]
         for target, start, end, name in writes:
-            for a, b, op in self._read.get(target, ()):
-                if a < end and start < b:
-                    # Over any other reason: the overlaps' resolution must hand the loader
-                    # every such tensor (_overwrites), which it tells by this one.
-                    self.transformed[name] = f"{READ_BACK} ({op})"
-                    break
+            found = read.get(target)
+            if found is None:
+                continue
+            starts, ends, ops = found
+            # The last span starting before this write's end; one reaching past its start
+            # at or before it reads some of its bytes.
+            i = bisect.bisect_left(starts, end) - 1
+            if i >= 0 and ends[i] > start:
+                j = bisect.bisect_right(ends, start, 0, i + 1)
+                # Over any other reason: the overlaps' resolution must hand the loader
+                # every such tensor (_overwrites), which it tells by this one.
+                self.transformed[name] = f"{READ_BACK} ({ops[j]})"
 
     def _maybe_fill(self, op: str, args: tuple[Any, ...]) -> None:
         """Record what an in-place op (``op``) the loader ran for real wrote into a
