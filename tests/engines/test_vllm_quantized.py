@@ -19,6 +19,7 @@ that the write vLLM keeps is the one asyncslab keeps.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -303,3 +304,35 @@ def test_formats_this_cpu_can_serve_answer_as_auto_does(tmp_path: Path) -> None:
     }
     cases = [{"name": n, "model": str(m), "select_kernels": True} for n, m in models.items()]
     _assert_greedy_equal(_worker("generate", cases, tmp_path))
+
+
+def test_a_quantized_model_over_two_ranks_answers_as_auto_does(tmp_path: Path) -> None:
+    """Tensor parallelism where this CPU serves the format (compressed-tensors FP8 with
+    dynamic activations, and W8A8 int8, on the dense model): each rank's recording gives
+    it its own rows of the float8 or int8 weights and of their per-channel scales, so each
+    reads less than the checkpoint; the greedy tokens are ``auto``'s under the same split."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("two ranks need two cores")
+    models = {
+        "ct-fp8-dynamic-llama": write_fp8_model(tmp_path / "fp8", "llama"),
+        "ct-w8a8-int8-llama": write_w8a8_int8_model(tmp_path / "w8a8", "llama"),
+    }
+    result = _worker(
+        "tp",
+        [{"name": n, "model": str(m)} for n, m in models.items()],
+        tmp_path,
+        # As test_vllm's tensor-parallel test: a core per rank, reports pickled back.
+        VLLM_CPU_OMP_THREADS_BIND=f"{cores[0]}|{cores[1]}",
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
+    for name, model in models.items():
+        case = result[name]
+        assert case["tokens"]["asyncslab"] == case["tokens"]["auto"], name
+        assert all(len(t) == 8 for t in case["tokens"]["auto"]), name
+        reports = case["reports"]
+        assert len(reports) == 2
+        assert all(r is not None for r in reports), name
+        total = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        read = [r["bytes"] for r in reports]
+        assert all(0 < b < total * 0.75 for b in read), (name, read, total)
