@@ -286,7 +286,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = func(*args, **kwargs)
             if op.mutates_first:
                 self._maybe_fill(op.name, args)
-            elif not op.is_view and not op.makes_new:
+            elif not (op.is_view or op.makes_new):
                 self._maybe_read(op.name, leaves)
             return out
         self._count(op)
@@ -312,7 +312,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     origins[0].names, base, src.element_size()
                 )
             return out
-        if not op.is_view and not op.mutates_first:
+        if not (op.is_view or op.mutates_first or op.makes_new):
             self._maybe_read(op.name, leaves)
         out = func(*args, **kwargs)
         if func in _VALUE_READS or not isinstance(out, (torch.Tensor, tuple, list)):
