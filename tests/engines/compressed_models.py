@@ -143,7 +143,7 @@ def write_compressed_model(
     )
     from compressed_tensors.quantization.utils import is_module_quantized
 
-    model = _float_model(arch, seed)
+    model = float_model(arch, seed)
     layers = model.config.num_hidden_layers
     routers = [f"model.layers.{i}.mlp.gate" for i in range(layers)] if arch == "qwen3_moe" else []
     ignore = ["lm_head", *routers]
@@ -183,7 +183,7 @@ def write_compressed_model(
     return root
 
 
-def _float_model(arch: str, seed: int) -> Any:
+def float_model(arch: str, seed: int) -> Any:
     """``arch``'s model, made in bfloat16 as ``write_model`` makes it; a MoE's experts
     unfused into one MLP per expert."""
     model = random_model(*ARCHS[arch], torch.bfloat16, seed)

@@ -4,8 +4,9 @@ vLLM's own memory, and where the CPU build serves a format, the greedy tokens eq
 
 The checkpoints are written at test time in each format's on-disk layout
 (``quantized_models.py`` by hand: block-wise and per-tensor FP8, ModelOpt FP8 and NVFP4,
-gpt-oss's MXFP4; ``compressed_models.py`` by the compressed-tensors library itself), each on
-a tiny Qwen3-MoE and a dense Qwen3 (MXFP4: gpt-oss). This CPU has no AMX and vLLM's CPU
+gpt-oss's MXFP4; ``compressed_models.py`` by the compressed-tensors library itself,
+``modelopt_models.py`` by NVIDIA's ModelOpt), each on a tiny MoE and a dense model (MXFP4:
+gpt-oss). This CPU has no AMX and vLLM's CPU
 build has no NVFP4 kernel, so most of these formats cannot be served here: their models are
 created with vLLM's kernel selection told the kernel is eligible
 (``vllm_worker._select_kernels_without_running_them``), loaded by both formats and compared
@@ -35,6 +36,7 @@ from tests.engines.compressed_models import (
     write_w4a16_model,
     write_w8a8_int8_model,
 )
+from tests.engines.modelopt_models import write_modelopt_models
 from tests.engines.quantized_models import (
     write_fp8_block_model,
     write_fp8_tensor_model,
@@ -79,6 +81,10 @@ COMPRESSED: dict[str, Callable[..., Path]] = {
     "ct-nvfp4": write_nvfp4_model,
 }
 COMPRESSED_ARCHS = ("qwen3_moe", "llama")
+
+#: ModelOpt's formats, written by its own library (name -> (algorithm, whether vLLM's kernel
+#: selection must be told a kernel is eligible)), on compressed-tensors' tiny models.
+MODELOPT: dict[str, tuple[str, bool]] = {"mo-fp8": ("FP8", False), "mo-nvfp4": ("NVFP4", True)}
 
 
 def _shard(root: Path) -> dict[str, torch.Tensor]:
@@ -134,6 +140,14 @@ def loads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for name, write in COMPRESSED.items():
             root = write(tmp / f"{name}-{arch}", arch)
             cases.append({"name": f"{name}-{arch}", "model": str(root), "select_kernels": True})
+    modelopt = {
+        f"{name}-{arch}": (arch, algo, select)
+        for name, (algo, select) in MODELOPT.items()
+        for arch in COMPRESSED_ARCHS
+    }
+    written = write_modelopt_models(tmp / "modelopt", {n: m[:2] for n, m in modelopt.items()})
+    for name, root in written.items():
+        cases.append({"name": name, "model": str(root), "select_kernels": modelopt[name][2]})
     # Scales vLLM's compressed-tensors MoE loader refuses: gate's and up's differ.
     root = _apart(write_fp8_model(tmp / "ct-fp8-static-apart", "qwen3_moe", static=True))
     for fmt in ("auto", "asyncslab"):
@@ -209,6 +223,26 @@ def test_compressed_tensors_formats_load_byte_for_byte(
         scales = _expert_scales(2, 8, "gate") + _expert_scales(2, 8, "up")
         assert set(scales) <= set(transformed)
     if not name.startswith("ct-w4a16"):
+        assert report["overwritten"] == []
+
+
+@pytest.mark.parametrize("arch", COMPRESSED_ARCHS)
+@pytest.mark.parametrize("name", list(MODELOPT))
+def test_modelopt_exports_load_byte_for_byte(loads: dict[str, Any], name: str, arch: str) -> None:
+    """Checkpoints ModelOpt itself quantized and exported: every byte equal to ``auto``'s,
+    each tensor read as bytes into vLLM's parameter (none through its loaders). A static
+    FP8 expert's two input scales write its one ``w13_input_scale``: the gate's, written
+    first, is never read."""
+    case = loads[f"{name}-{arch}"]
+    report = _same_bytes_as_auto(case)
+    weights = {
+        d for n, d in case["dtypes"].items() if n.endswith(("qkv_proj.weight", "w13_weight"))
+    }
+    assert weights == ({"float8_e4m3fn"} if name == "mo-fp8" else {"uint8"}), case["dtypes"]
+    assert report["transformed"] == []
+    if (name, arch) == ("mo-fp8", "qwen3_moe"):
+        assert sorted(report["overwritten"]) == sorted(_expert_scales(2, 8, "gate"))
+    else:
         assert report["overwritten"] == []
 
 
@@ -301,6 +335,7 @@ def test_formats_this_cpu_can_serve_answer_as_auto_does(tmp_path: Path) -> None:
         "ct-w8a8-int8-llama": write_w8a8_int8_model(tmp_path / "w8a8", "llama"),
         "ct-nvfp4-llama": write_nvfp4_model(tmp_path / "ct-nvfp4", "llama"),
         "modelopt-nvfp4-qwen3": write_modelopt_nvfp4_model(tmp_path / "nvfp4", "qwen3"),
+        **write_modelopt_models(tmp_path / "modelopt", {"mo-nvfp4-llama": ("llama", "NVFP4")}),
     }
     cases = [{"name": n, "model": str(m), "select_kernels": True} for n, m in models.items()]
     _assert_greedy_equal(_worker("generate", cases, tmp_path))
