@@ -14,7 +14,9 @@ options, log and report.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import logging
 import re
 import time
@@ -165,6 +167,14 @@ class AsyncSlabLoader(BaseModelLoader):
         if object_weights(model_config) is None:  # objects are read where they are
             self._files.download_model(model_config)
 
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+        # vLLM's load_model collects twice, after the weights and after processing, to free
+        # what the load left behind. Each full pass also walks every object the worker held
+        # before (its imports: hundreds of thousands), costing more than reading a small
+        # model; with that heap set aside the passes walk what the load made, and free it.
+        with _only_new_objects_collected():
+            return super().load_model(vllm_config, model_config, prefix)
+
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         # The collector paused: what the load allocates holds no cycle that must go before
         # it ends, but its allocations would set off full passes over a vLLM worker's heap
@@ -290,6 +300,23 @@ class AsyncSlabLoader(BaseModelLoader):
                 if info.file in mine:
                     names[prefix + name] = name
         return checkpoint, names
+
+
+@contextlib.contextmanager
+def _only_new_objects_collected() -> Iterator[None]:
+    """The collector's passes inside limited to objects made inside: the heap as it was is
+    frozen (``gc.freeze``, after a pass over the young generations, which is cheap, so that
+    recent garbage is not kept) and unfrozen after. Left alone where the heap is frozen
+    already: ``gc.unfreeze`` cannot be nested and would undo the other freeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect(1)
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _reading_order(checkpoint: Checkpoint, names: Mapping[str, str]) -> Callable[[str], Any]:

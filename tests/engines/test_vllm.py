@@ -494,7 +494,23 @@ def _assert_greedy_equal(result: dict[str, Any]) -> None:
 def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> None:
     cases = [_case(n, p) for n, p in models.items() if n not in KERNELS]
     cases.append({"name": "mixtral-float32", "model": str(models["mixtral"]), "dtype": "float32"})
-    _assert_greedy_equal(_worker("generate", cases, tmp_path))
+    result = _worker("generate", cases, tmp_path)
+    _assert_greedy_equal(result)
+    for name, case in result.items():
+        _assert_only_new_objects_collected(name, case["collections"])
+
+
+def _assert_only_new_objects_collected(name: str, collections: dict[str, Any]) -> None:
+    """vLLM's load_model collects the whole heap twice, after the weights and after
+    processing. Under asyncslab both collections still run, with the heap the worker held
+    before the load frozen, so they walk only what the load made; the heap is unfrozen
+    after, as it was. ``auto``'s walk everything."""
+    auto, ours = collections["auto"], collections["asyncslab"]
+    assert len(auto["frozen_during"]) >= 2, name
+    assert set(auto["frozen_during"]) == {0}, name
+    assert len(ours["frozen_during"]) == len(auto["frozen_during"]), name
+    assert all(frozen > 10_000 for frozen in ours["frozen_during"]), (name, ours)
+    assert ours["frozen_before"] == ours["frozen_after"] == 0, (name, ours)
 
 
 def test_greedy_tokens_of_a_quantized_model_equal_autos(
@@ -709,20 +725,25 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
     """benchmarks/vllm_bench.py, one round of two formats and a bound on the tiny Mixtral,
-    warm, cold and through vLLM's reload: both formats load the same parameter bytes (its
-    checksums, after the first load and after the reloads), keep vLLM's pointers; the cold
-    loads say how much of the files was resident; the report has every phase and a row per
-    path."""
+    warm, cold, through vLLM's reload and its whole get_model: both formats load the same
+    parameter bytes (its checksums, after the first load, after the reloads and as served),
+    keep vLLM's pointers; the cold loads say how much of the files was resident; the report
+    has every phase and a row per path."""
     run = subprocess.run(
         [
             sys.executable, str(HERE.parents[1] / "benchmarks" / "vllm_bench.py"),
-            "--model", str(models["mixtral"]), "--rounds", "1", "--paths", "warm,cold,reload",
+            "--model", str(models["mixtral"]), "--rounds", "1", "--paths", "warm,cold,reload,model",
             "--only", "auto,asyncslab,bound-preadv-fresh", "--json", str(tmp_path / "b.json"),
         ],
         env=_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    for line in ("warm checksums: equal", "warm reload_checksums: equal", "cold checksums: equal"):
+    for line in (
+        "warm checksums: equal",
+        "warm reload_checksums: equal",
+        "cold checksums: equal",
+        "model model_checksums: equal",
+    ):
         assert line in run.stdout, run.stdout[-3000:]
     assert "direct reload changed" not in run.stdout
     assert "| reload: vLLM's reload_weights after processing |" in run.stdout
@@ -739,3 +760,9 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
         assert 0 <= cold["resident_before"] <= 1
     assert rows["asyncslab"]["transformed"] == 0
     assert rows["asyncslab"]["capture_s"] > 0
+    # vLLM's get_model whole, and its parts: the collections' share is timed apart.
+    assert "| model: vLLM's get_model" in run.stdout
+    for name in ("auto", "asyncslab"):
+        (whole,) = result["runs"]["model"][name]
+        parts = sum(whole[k] for k in ("create_s", "load_weights_s", "gc_s", "process_s"))
+        assert 0 < parts <= whole["get_model_s"], whole

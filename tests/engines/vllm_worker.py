@@ -109,9 +109,40 @@ def _watching(
             record["gc_passes"] = len(passes)
 
     AsyncSlabLoader._load_weights = counted  # type: ignore[method-assign]
+    # Inside each loader's whole load_model (an engine's, not a bare load_weights): how
+    # many objects the heap had frozen at each full collection, and after.
+    whole = [(cls, cls.__dict__.get("load_model")) for cls in (DefaultModelLoader, AsyncSlabLoader)]
+    for cls, _ in whole:
+        load_model = cls.load_model
+
+        def watched(self: Any, *args: Any, _orig: Any = load_model, **kwargs: Any) -> Any:
+            frozen: list[int] = []
+
+            def full(phase: str, info: dict[str, int]) -> None:
+                if phase == "start" and info["generation"] == 2:
+                    frozen.append(gc.get_freeze_count())
+
+            before = gc.get_freeze_count()
+            gc.callbacks.append(full)
+            try:
+                return _orig(self, *args, **kwargs)
+            finally:
+                gc.callbacks.remove(full)
+                record.setdefault("collections", {})[self.load_config.load_format] = {
+                    "frozen_before": before,
+                    "frozen_during": frozen,
+                    "frozen_after": gc.get_freeze_count(),
+                }
+
+        cls.load_model = watched  # type: ignore[method-assign]
     try:
         yield
     finally:
+        for cls, own in whole:
+            if own is None:  # inherited: the base class's again
+                del cls.load_model
+            else:
+                cls.load_model = own  # type: ignore[method-assign]
         AsyncSlabLoader._load_weights = inner  # type: ignore[method-assign]
         for cls, original in originals:
             cls.load_weights = original  # type: ignore[method-assign]
