@@ -627,6 +627,20 @@ def _all(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return [x for got in runs.values() for x in got]
 
 
+def shape_model(shape: str, workdir: Path) -> Path:
+    """``shape``'s model in ``workdir``, written there first if missing."""
+    model = workdir / ("mixtral-bench" if shape == "bench" else shape)
+    if not (model / "config.json").exists():
+        from tests.engines.quantized_models import to_fp8_block
+        from tests.engines.vllm_models import write_model
+
+        print(f"writing the {shape} model into {model} ...", flush=True)
+        write_model(model, "mixtral", shards=4, **SHAPES[QUANTIZED.get(shape, shape)])
+        if shape in QUANTIZED:
+            to_fp8_block(model)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="a model directory (default: write --shape's model)")
@@ -656,18 +670,7 @@ def main() -> None:
         else:
             print(json.dumps(child_load(args.model, args.child, args.device, args.mode)))
         return
-    if args.model:
-        model = Path(args.model)
-    else:
-        model = Path(args.workdir) / ("mixtral-bench" if args.shape == "bench" else args.shape)
-        if not (model / "config.json").exists():
-            from tests.engines.quantized_models import to_fp8_block
-            from tests.engines.vllm_models import write_model
-
-            print(f"writing the {args.shape} model into {model} ...", flush=True)
-            write_model(model, "mixtral", shards=4, **SHAPES[QUANTIZED.get(args.shape, args.shape)])
-            if args.shape in QUANTIZED:
-                to_fp8_block(model)
+    model = Path(args.model) if args.model else shape_model(args.shape, Path(args.workdir))
     names = [*CONTENDERS, *BOUNDS]
     if args.only:
         names = [n for n in names if n in args.only.split(",")]

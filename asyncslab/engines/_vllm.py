@@ -173,7 +173,8 @@ class AsyncSlabLoader(BaseModelLoader):
         # before (its imports: hundreds of thousands), costing more than reading a small
         # model; with that heap set aside the passes walk what the load made, and free it.
         with _only_new_objects_collected():
-            return super().load_model(vllm_config, model_config, prefix)
+            model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+        return model
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
         # The collector paused: what the load allocates holds no cycle that must go before

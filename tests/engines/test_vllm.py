@@ -721,6 +721,32 @@ def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
     assert MISSING in text
 
 
+def test_the_time_to_ready_benchmark_serves_both_formats(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    """benchmarks/vllm_serve_bench.py, one round on the tiny Mixtral: a vLLM server per
+    format answers /health, then its first completion, the same text under both; vLLM's
+    own figures for the weights and the engine's start are read from its log."""
+    run = subprocess.run(
+        [
+            sys.executable, str(HERE.parents[1] / "benchmarks" / "vllm_serve_bench.py"),
+            "--model", str(models["mixtral"]), "--rounds", "1", "--eager",
+            "--json", str(tmp_path / "s.json"),
+        ],
+        env=_env(), capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "first completions: equal" in run.stdout, run.stdout[-3000:]
+    result = json.loads((tmp_path / "s.json").read_text())
+    for fmt in ("auto", "asyncslab"):
+        (server,) = result[fmt]
+        assert "error" not in server, server
+        assert 0 < server["health_s"] <= server["first_completion_s"]
+        assert 0 < server["weights_s"] < server["health_s"]
+        assert server["init_engine_s"] > 0
+        assert server["model_load_at_s"] is not None
+
+
 def test_the_benchmark_compares_formats_on_the_same_bytes(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
