@@ -79,8 +79,6 @@ def test_the_scan_sees_an_oversized_unit(tmp_path: Path) -> None:
 ROOT = Path(asyncslab.__file__).parent
 ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
 
-# Under every stage: what any stage may import.
-FOUNDATION = {"errors", "_failures", "_public", "_units", "_os"}
 # The faces: above every stage.
 FACES = {"__init__", "__main__", "rules", "vllm", "transformers"}
 # Imports of a stage's private module from outside it, each for a reason docs/architecture.md
@@ -100,6 +98,14 @@ def drawn_stage_order(architecture: str) -> list[str]:
     """The stages in the order docs/architecture.md's tree draws them (``  name/  ...``)."""
     block = architecture.split("```\nasyncslab/\n", 1)[1].split("```", 1)[0]
     return re.findall(r"^  (\w+)/", block, flags=re.MULTILINE)
+
+
+def drawn_foundation(architecture: str) -> set[str]:
+    """The modules (``name.py``) and packages (``name/``) docs/architecture.md's tree draws
+    on its line "under every stage": what any stage may import."""
+    block = architecture.split("```\nasyncslab/\n", 1)[1].split("```", 1)[0]
+    (line,) = [line for line in block.splitlines() if line.endswith("under every stage")]
+    return set(re.findall(r"(\w+)(?:\.py|/)", line))
 
 
 def _imports(root: Path) -> list[tuple[str, int, str, str, list[str]]]:
@@ -135,9 +141,9 @@ def _imports(root: Path) -> list[tuple[str, int, str, str, list[str]]]:
     return found
 
 
-def _later_stage_imports(root: Path, order: list[str]) -> list[str]:
+def _later_stage_imports(root: Path, order: list[str], foundation: set[str]) -> list[str]:
     rank = {name: i + 1 for i, name in enumerate(order)}
-    rank.update({name: 0 for name in FOUNDATION})
+    rank.update({name: 0 for name in foundation})
     rank.update({name: len(order) + 1 for name in FACES})
     wrong = []
     for where, line, unit, target, _ in _imports(root):
@@ -169,10 +175,15 @@ def _private_module_imports(root: Path) -> list[str]:
 
 
 def test_no_stage_imports_a_later_one() -> None:
-    order = drawn_stage_order(ARCHITECTURE.read_text())
-    stages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
-    assert sorted(order) == stages, "docs/architecture.md draws every stage, once"
-    wrong = _later_stage_imports(ROOT, order)
+    architecture = ARCHITECTURE.read_text()
+    order, foundation = drawn_stage_order(architecture), drawn_foundation(architecture)
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    assert sorted(order) == sorted(packages - foundation), (
+        "docs/architecture.md draws every stage, once"
+    )
+    modules = {p.stem for p in ROOT.glob("*.py")} | packages
+    assert foundation <= modules, f"drawn under every stage but missing: {foundation - modules}"
+    wrong = _later_stage_imports(ROOT, order, foundation)
     assert wrong == [], "\n".join(wrong)
 
 
@@ -192,14 +203,13 @@ def test_the_import_checks_see_a_later_stage_and_a_private_module(tmp_path: Path
         "def f():\n    from ..late import X\n"
         "    from pkg.late._inner import X as Y\n    return X, Y\n"
     )
-    assert _later_stage_imports(package, ["early", "late"]) == [
+    assert _later_stage_imports(package, ["early", "late"], set()) == [
         "early/_mod.py:2: early imports late, a later stage",
         "early/_mod.py:3: early imports late._inner, a later stage",
     ]
     assert _private_module_imports(package) == [
         "early/_mod.py:3: imports late._inner; import it from late"
     ]
-    assert drawn_stage_order("x\n```\nasyncslab/\n  a.py\n  early/  x\n  late/   y\n```\n") == [
-        "early",
-        "late",
-    ]
+    drawn = "x\n```\nasyncslab/\n  a.py _b/   under every stage\n  early/  x\n  late/   y\n```\n"
+    assert drawn_stage_order(drawn) == ["early", "late"]
+    assert drawn_foundation(drawn) == {"a", "_b"}

@@ -9,8 +9,6 @@ from ._format import Checkpoint as Checkpoint
 from ._format import ShardFile as ShardFile
 from ._format import TensorInfo as TensorInfo
 from ._header import TensorTable as TensorTable
-from ._header import frozen_columns as frozen_columns
-from ._header import gc_paused as gc_paused
 from ._header_parse import safetensors_dtype as safetensors_dtype
 from ._object_store import client as client
 from ._object_store import endpoint as endpoint
@@ -36,8 +34,6 @@ __all__ = [
     "endpoint",
     "etag_of",
     "failure_kind",
-    "frozen_columns",
-    "gc_paused",
     "parse_uri",
     "pinned",
     "redacted",

@@ -13,6 +13,7 @@ import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
+from .._heap import gc_paused
 from ..errors import (
     CheckpointError,
     DuplicateTensorError,
@@ -27,8 +28,6 @@ from ._header import (
     ShardTensors,
     TensorInfo,
     TensorTable,
-    frozen_columns,
-    gc_paused,
     kind_of,
     parse_header,
     shard_columns,
@@ -46,8 +45,6 @@ __all__ = [
     "ShardFile",
     "TensorInfo",
     "TensorTable",
-    "frozen_columns",
-    "gc_paused",
     "parse_header",
     "read_header",
     "safetensors_dtype",

@@ -13,10 +13,6 @@ which entry wins. The rules are the same whatever source the bytes come from
 from __future__ import annotations
 
 import array
-import collections
-import contextlib
-import dataclasses
-import gc
 import itertools
 import math
 import operator
@@ -25,10 +21,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 
+from .._heap import frozen_columns
 from ..errors import (
     FileTooShortError,
     HeaderBoundsError,
@@ -47,8 +44,6 @@ __all__ = [
     "ShardTensors",
     "TensorInfo",
     "TensorTable",
-    "frozen_columns",
-    "gc_paused",
     "kind_of",
     "parse_header",
     "shard_columns",
@@ -141,48 +136,6 @@ def _parse(
         )
     offsets = array.array("q", map(operator.add, c.begins, itertools.repeat(data_start)))
     return c.metadata, c.names, ShardTensors(c.kinds, array.array("I", c.ids), offsets)
-
-
-_T = TypeVar("_T")
-
-
-def frozen_columns(
-    cls: type[_T], n: int, columns: Mapping[str, Sequence[Any]], same: Mapping[str, Any]
-) -> list[_T]:
-    """``n`` instances of the frozen, slotted dataclass ``cls``, built a field at a time
-    rather than an instance at a time: field ``f`` of instance ``i`` is ``columns[f][i]``,
-    or ``same[f]``, or the field's default.
-
-    A frozen dataclass's ``__init__`` assigns each field through ``object.__setattr__``, a
-    Python-level cost per field per instance that adds up to seconds for a few hundred
-    thousand tensors (figures in docs/performance.md). Filling one slot of every instance
-    with ``map`` over the slot's descriptor runs the loop in C; the instances are the same
-    frozen objects ``__init__`` makes (there is no ``__post_init__`` to skip), as
-    ``test_columns_make_the_objects_init_makes`` checks.
-    """
-    if hasattr(cls, "__post_init__"):
-        raise TypeError(f"{cls.__name__} checks its fields in __post_init__; build it per instance")
-    fields = dataclasses.fields(cast(Any, cls))
-    names = {f.name for f in fields}
-    if unknown := (columns.keys() | same.keys()) - names:
-        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
-    instances: list[_T] = list(map(object.__new__, itertools.repeat(cls, n)))
-    for f in fields:
-        column: Iterable[Any]
-        if f.name in columns:
-            column = columns[f.name]
-            if len(column) != n:
-                raise ValueError(f"{cls.__name__}.{f.name}: {len(column)} values for {n}")
-        elif f.name in same:
-            column = itertools.repeat(same[f.name])
-        elif f.default is not dataclasses.MISSING:
-            column = itertools.repeat(f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            column = (f.default_factory() for _ in range(n))
-        else:
-            raise TypeError(f"{cls.__name__}.{f.name} has no default: give its values")
-        collections.deque(map(getattr(cls, f.name).__set__, instances, column), maxlen=0)
-    return instances
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,18 +349,3 @@ def shard_columns(
         source=location,
     )
     return shard, tensors
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    # Parsing a large checkpoint creates millions of small containers, none cyclic; each
-    # allocation burst would trigger a collection over everything parsed so far, so the
-    # collector's work would grow with the square of the tensor count and find nothing to
-    # free (figures in docs/performance.md).
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()

@@ -31,8 +31,9 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+from .._heap import gc_paused
 from .._units import format_bytes
-from ..checkpoint import Checkpoint, gc_paused
+from ..checkpoint import Checkpoint
 from ..errors import CheckpointError
 from ..loading import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..checkpoint import gc_paused
+from .._heap import gc_paused
 from ..errors import (
     AsyncSlabError,
     FileChangedError,

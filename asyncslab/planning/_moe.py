@@ -24,11 +24,11 @@ from typing import Any, Literal, NamedTuple, cast
 
 import torch
 
+from .._heap import frozen_columns
 from ..checkpoint import (
     Checkpoint,
     TensorInfo,
     TensorTable,
-    frozen_columns,
     safetensors_dtype,
 )
 from ..errors import (

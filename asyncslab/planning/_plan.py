@@ -26,7 +26,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
-from ..checkpoint import Checkpoint, ShardFile, TensorInfo, gc_paused, safetensors_dtype
+from .._heap import gc_paused
+from ..checkpoint import Checkpoint, ShardFile, TensorInfo, safetensors_dtype
 from ..errors import (
     CoverageError,
     DtypeMismatchError,

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import Checkpoint, TensorInfo, frozen_columns, safetensors_dtype
+from .._heap import frozen_columns
+from ..checkpoint import Checkpoint, TensorInfo, safetensors_dtype
 from ..errors import CoverageError, DtypeMismatchError, PlanError
 from ._routes import RouteTable, numbers_of
 from ._vocabulary import (

@@ -35,7 +35,7 @@ from asyncslab import (
     TieredMoE,
     plan,
 )
-from asyncslab.checkpoint._format import frozen_columns
+from asyncslab._heap import frozen_columns
 from asyncslab.checkpoint._header_parse import _ITEMSIZE, parse_compact, parse_general
 from asyncslab.checkpoint._index import _parse_index, _weight_map_compact
 from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
-from asyncslab.checkpoint._format import gc_paused
+from asyncslab._heap import gc_paused
 from asyncslab.testing import SyntheticCheckpoint
 from tests.helpers import assert_bit_identical, raw_bytes, slow_reads, staging_released
 

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
-from asyncslab.checkpoint._format import gc_paused
+from asyncslab._heap import gc_paused
 from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic

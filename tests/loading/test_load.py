@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
-from asyncslab.checkpoint._format import gc_paused
+from asyncslab._heap import gc_paused
 from asyncslab.errors import ReadError
 from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import Scatter, pread_scatter, scatter
