@@ -1,7 +1,8 @@
 """Every error asyncslab raises, one hierarchy, defined here. Each also derives from the
 builtin a caller would naturally catch (``ValueError`` for bad files and plans,
-``RuntimeError`` for a broken load), and keeps what it names (``file``, ``tensor``,
-``details``: layer, expert, slot, expected, got) as attributes. The base and the categories
+``RuntimeError`` for a broken load; ``FileNotFoundError`` and ``TimeoutError`` where they
+fit), and keeps what it names (``file``, ``tensor``, ``details``: layer, expert, slot,
+expected, got) as attributes. The base and the categories
 are also at the top level (``asyncslab.PlanError``), and ``asyncslab.distributed`` exports
 ``DistributedLoadError`` too. The tree below is the one place it is written
 (``docs/errors.md`` shows a copy, and ``tests/test_exports.py`` checks both against the
@@ -14,7 +15,8 @@ classes):
     │   │   ├── HeaderEncodingError, HeaderJSONError, DuplicateKeyError,
     │   │   └── UnknownDtypeError, InvalidShapeError, SizeMismatchError, OffsetError,
     │   │       PayloadSizeError
-    │   ├── IndexFileError, UnsafePathError, MissingFileError, IndexMismatchError
+    │   ├── IndexFileError, UnsafePathError, IndexMismatchError,
+    │   ├── MissingFileError (FileNotFoundError)
     │   └── DuplicateTensorError
     ├── PlanError (ValueError): the checkpoint does not fit the plan, before any read
     │   ├── PartitionError, TierMapError, DtypeMismatchError, ShapeMismatchError
@@ -22,7 +24,7 @@ classes):
     │   └── CaptureError: an engine's own loader refused a tensor while recording
     ├── LoadError (RuntimeError): the load itself failed
     │   ├── ReadError
-    │   │   └── ReadTimeoutError
+    │   │   └── ReadTimeoutError (TimeoutError)
     │   ├── FileChangedError: changed since it was opened; also a CheckpointError
     │   ├── CudaError: a CUDA call failed, named with its error code
     │   └── DistributedLoadError: a load across ranks failed, raised on every rank
@@ -195,8 +197,11 @@ class UnsafePathError(CheckpointError):
     """An index entry points outside the checkpoint directory (absolute, ``..``, symlink)."""
 
 
-class MissingFileError(CheckpointError):
-    """A file the index references does not exist or is not a regular file."""
+class MissingFileError(CheckpointError, FileNotFoundError):
+    """A file the checkpoint needs (a shard the index references, a model's config) does not
+    exist or is not a regular file. Also a ``FileNotFoundError``, for callers that
+    catch a missing file the standard way; its ``errno`` is ``None`` (an object store's
+    missing key has none)."""
 
 
 class IndexMismatchError(CheckpointError):
@@ -255,8 +260,9 @@ class ReadError(LoadError):
     """Reading a shard file failed (the ``OSError`` is the ``__cause__``)."""
 
 
-class ReadTimeoutError(ReadError):
-    """A read made no progress within the configured timeout."""
+class ReadTimeoutError(ReadError, TimeoutError):
+    """A read made no progress within the configured timeout. Also a ``TimeoutError``,
+    as ``asyncio.timeout`` raises, so that one ``except TimeoutError`` covers both."""
 
 
 class FileChangedError(LoadError, CheckpointError):
