@@ -31,6 +31,8 @@ import ast
 import functools
 import io
 import re
+import shutil
+import subprocess
 import tokenize
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,7 +47,7 @@ PACKAGE = "asyncslab"
 TOP = ("asyncslab", "benchmarks", "docs", "examples", "tests", ".ci")
 STAGES = ("checkpoint", "planning", "loading", "engines", "distributed", "testing", "cli")
 #: The Markdown files scanned besides ``docs/*.md``.
-MARKDOWN = ("README.md", "benchmarks/README.md")
+MARKDOWN = ("README.md", "CONTRIBUTING.md", "benchmarks/README.md")
 #: The runs' records: only their links are checked (they name the code of their day).
 RUNS = "benchmarks/runs/*.md"
 
@@ -444,14 +446,15 @@ def test_the_scan_reports_each_stale_reference_and_nothing_else(tmp_path: Path) 
     ]
 
 
-#: Files kept as indexes and references, not journals: at most this many lines.
-LIMITS = {"benchmarks/README.md": 200, "docs/robustness.md": 300}
+#: Files kept as indexes and front pages, not journals: under this many lines (depth goes to
+#: docs/, history to benchmarks/runs/).
+LIMITS = {"README.md": 151, "benchmarks/README.md": 200, "docs/robustness.md": 300}
 
 
 @pytest.mark.parametrize(("name", "limit"), LIMITS.items())
 def test_an_index_stays_an_index(name: str, limit: int) -> None:
     lines = len((ROOT / name).read_text().splitlines())
-    assert lines < limit, f"{name}: {lines} lines (under {limit}); history goes to benchmarks/runs/"
+    assert lines < limit, f"{name}: {lines} lines (under {limit}); depth to docs/, history to runs/"
 
 
 def test_every_run_file_is_in_the_benchmarks_index() -> None:
@@ -490,3 +493,28 @@ def test_no_docstring_numbers_the_stages() -> None:
         if numbered.search(line)
     ]
     assert found == [], "\n".join(found)
+
+
+#: The first commit from which every subject fits; the history before it is left as it is.
+SUBJECTS_SINCE = "484d338"
+
+
+def test_commit_subjects_fit_72_columns() -> None:
+    """A subject line of at most 72 characters, the details in the body (CONTRIBUTING.md)."""
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    known = subprocess.run(
+        [git, "-C", str(ROOT), "cat-file", "-e", f"{SUBJECTS_SINCE}^{{commit}}"],
+        capture_output=True,
+    )
+    if known.returncode != 0:
+        pytest.skip(f"{SUBJECTS_SINCE} is not in this clone's history (a shallow clone)")
+    log = subprocess.run(
+        [git, "-C", str(ROOT), "log", "--format=%h %s", f"{SUBJECTS_SINCE}^..HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    long = [line for line in log if len(line.split(" ", 1)[1]) > 72]
+    assert long == [], "subjects over 72 characters:\n" + "\n".join(long)
