@@ -189,19 +189,8 @@ class TieredMoE:
         tier_rule.check_declared_layers(by_layer.keys())
 
         skipped: list[str] = []
-        own = self._select_rank(by_layer, skipped)
-        extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
-        if self.n_experts is None and self.tier_map is None:
-            for layer, items in own.items():
-                present = len({t.expert for t in items})
-                if extent[layer] > 2 * present + 64:
-                    # Inferring the expert count from the largest id would make a stray
-                    # id like 10**20 allocate a partition that size.
-                    raise PartitionError(
-                        f"layer {layer}: expert ids run to {extent[layer] - 1}, but only "
-                        f"{present} experts are present; pass n_experts= or a tier map",
-                        layer=layer,
-                    )
+        own = _rank_slices(by_layer, self.rank, skipped)
+        extent = _extents(own, inferred=self.n_experts is None and self.tier_map is None)
         if self.owns is not None:
             owns = self.owns
             for layer, items in own.items():
@@ -229,53 +218,6 @@ class TieredMoE:
             extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
         )
 
-    def _select_rank(
-        self, by_layer: Mapping[int, list[_Expert]], skipped: list[str]
-    ) -> dict[int, list[_Expert]]:
-        ranks = {t.rank for items in by_layer.values() for t in items}
-        if not ranks or ranks == {None}:
-            if self.rank is not None:
-                raise PlanError(
-                    f"rank={self.rank} was given, but the checkpoint's expert tensors are not "
-                    "rank-sliced ('...<proj>.rank<r>.<suffix>')"
-                )
-            return dict(by_layer)
-        if None in ranks:
-            plain = next(t for items in by_layer.values() for t in items if t.rank is None)
-            raise PlanError(
-                "checkpoint mixes rank-sliced and whole expert tensors",
-                file=plain.info.file,
-                tensor=plain.info.name,
-            )
-        n_ranks = max(r for r in ranks if r is not None) + 1
-        if self.rank is None:
-            raise PlanError(
-                f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})",
-                ranks=n_ranks,
-            )
-        if not 0 <= self.rank < n_ranks:
-            raise PlanError(f"rank={self.rank}, but the checkpoint has ranks 0..{n_ranks - 1}")
-        seen: dict[tuple[int, int, str, str], set[int]] = defaultdict(set)
-        for items in by_layer.values():
-            for t in items:
-                assert t.rank is not None
-                seen[(t.layer, t.expert, t.proj, t.suffix)].add(t.rank)
-        for (layer, expert, proj, suffix), got in seen.items():
-            if len(got) != n_ranks:
-                missing = sorted(set(range(n_ranks)) - got)
-                raise CoverageError(
-                    f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
-                    f"{listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
-                    layer=layer,
-                    expert=expert,
-                    missing_ranks=missing,
-                )
-        own: dict[int, list[_Expert]] = {}
-        for layer, items in by_layer.items():
-            own[layer] = [t for t in items if t.rank == self.rank]
-            skipped.extend(t.info.name for t in items if t.rank != self.rank)
-        return own
-
     def _plan_layer(
         self,
         layer: int,
@@ -285,21 +227,8 @@ class TieredMoE:
         shard_of: Mapping[str, tuple[str, int, bool]],
         tier_rule: TierRule,
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
-        prefixes = sorted({t.prefix for t in items})
-        if len(prefixes) > 1:
-            # Slabs, units and tier maps are per layer number: two models' (a text and a
-            # vision tower's) experts of one layer number would share slabs named after one.
-            other = next(t for t in items if t.prefix == prefixes[1])
-            raise PartitionError(
-                f"layer {layer}: expert tensors under {len(prefixes)} prefixes "
-                f"({', '.join(map(repr, prefixes[:3]))}) share this layer number; give each "
-                "prefix a TieredMoE rule of its own (pattern=...)",
-                file=other.info.file,
-                tensor=other.info.name,
-                layer=layer,
-            )
+        prefix = _one_prefix(layer, items)
         partition = tier_rule.partition(layer, items, extent)
-        prefix = items[0].prefix
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
         placed = defaultdict(list)
         present: set[tuple[int, str, str]] = set()
@@ -332,20 +261,7 @@ class TieredMoE:
                 slot = (shard, offset)
             placed[(group, fused, t.suffix)].append((slot, t))
             present.add((t.expert, t.proj, t.suffix))
-        missing = [
-            f"{prefix}.{e}.{proj}.{suffix}"
-            for e in partition.experts
-            for projs in self.fusion.values()
-            for proj in projs
-            for suffix in self.schema
-            if (e, proj, suffix) not in present
-        ]
-        if missing:
-            raise CoverageError(
-                f"layer {layer}: {len(missing)} expert tensors missing: {listing(missing, 5)}",
-                layer=layer,
-                missing=missing,
-            )
+        _check_coverage(layer, prefix, partition, self.fusion, self.schema, present)
         slabs, routes = self._layer_slabs(layer, prefix, partition, placed)
         return partition, slabs, routes
 
@@ -359,8 +275,6 @@ class TieredMoE:
         """A layer's slabs (one per group, fused projection and suffix) and the routes
         into them, from where each expert tensor was placed."""
         slabs: list[SlabSpec] = []
-        # The routes a column at a time (see frozen_columns): a large MoE checkpoint holds
-        # hundreds of thousands of expert tensors, a Route each.
         columns: dict[str, list[Any]] = {f: [] for f in _ROUTE_COLUMNS}
         unit = self.unit_of(layer)
         for group, members in partition.groups.items():
@@ -389,26 +303,7 @@ class TieredMoE:
                         },
                     )
                     slabs.append(spec)
-                    # Row-major slot offsets; every slot lies in the slab by construction
-                    # (the partition placed it), and plan() checks each offset again.
-                    stride, width = spec.slot_nbytes, slot_dims[-1]
-                    slots = [slot for slot, _ in entries]
-                    infos = [t.info for _, t in entries]
-                    n = len(entries)
-                    columns["tensor"] += map(NAME, infos)
-                    columns["file"] += map(FILE, infos)
-                    columns["src_offset"] += map(OFFSET, infos)
-                    columns["nbytes"] += map(NBYTES, infos)
-                    columns["slab"] += [spec.name] * n
-                    columns["slot"] += slots
-                    columns["dst_offset"] += [
-                        (s[0] * width + s[1] if len(s) == 2 else s[0]) * stride for s in slots
-                    ]
-                    columns["unit"] += [unit] * n
-                    columns["layer"] += [layer] * n
-                    columns["expert"] += [t.expert for _, t in entries]
-                    columns["shard"] += [t.proj for _, t in entries]
-                    columns["suffix"] += [suffix] * n
+                    _add_routes(columns, spec, entries, layer, suffix)
         return slabs, frozen_columns(Route, len(columns["tensor"]), columns, {})
 
 
@@ -455,3 +350,145 @@ def _experts_by_layer(
             )
         )
     return by_layer
+
+
+def _rank_slices(
+    by_layer: Mapping[int, list[_Expert]], rank: int | None, skipped: list[str]
+) -> dict[int, list[_Expert]]:
+    """Each layer's tensors of ``rank``, the other ranks' slices skipped; of a checkpoint
+    that is not rank-sliced, all of them (and ``rank`` must be ``None``)."""
+    ranks = {t.rank for items in by_layer.values() for t in items}
+    if not ranks or ranks == {None}:
+        if rank is not None:
+            raise PlanError(
+                f"rank={rank} was given, but the checkpoint's expert tensors are not "
+                "rank-sliced ('...<proj>.rank<r>.<suffix>')"
+            )
+        return dict(by_layer)
+    if None in ranks:
+        plain = next(t for items in by_layer.values() for t in items if t.rank is None)
+        raise PlanError(
+            "checkpoint mixes rank-sliced and whole expert tensors",
+            file=plain.info.file,
+            tensor=plain.info.name,
+        )
+    n_ranks = max(r for r in ranks if r is not None) + 1
+    if rank is None:
+        raise PlanError(
+            f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})",
+            ranks=n_ranks,
+        )
+    if not 0 <= rank < n_ranks:
+        raise PlanError(f"rank={rank}, but the checkpoint has ranks 0..{n_ranks - 1}")
+    seen: dict[tuple[int, int, str, str], set[int]] = defaultdict(set)
+    for items in by_layer.values():
+        for t in items:
+            assert t.rank is not None
+            seen[(t.layer, t.expert, t.proj, t.suffix)].add(t.rank)
+    for (layer, expert, proj, suffix), got in seen.items():
+        if len(got) != n_ranks:
+            missing = sorted(set(range(n_ranks)) - got)
+            raise CoverageError(
+                f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
+                f"{listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
+                layer=layer,
+                expert=expert,
+                missing_ranks=missing,
+            )
+    own: dict[int, list[_Expert]] = {}
+    for layer, items in by_layer.items():
+        own[layer] = [t for t in items if t.rank == rank]
+        skipped.extend(t.info.name for t in items if t.rank != rank)
+    return own
+
+
+def _extents(own: Mapping[int, list[_Expert]], inferred: bool) -> dict[int, int]:
+    """Each layer's experts as far as their ids run. Where the expert count is ``inferred``
+    from them (no ``n_experts``, no tier map), ids far past the experts present are refused:
+    a stray id like 10**20 would allocate a partition that size."""
+    extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
+    if inferred:
+        for layer, items in own.items():
+            present = len({t.expert for t in items})
+            if extent[layer] > 2 * present + 64:
+                raise PartitionError(
+                    f"layer {layer}: expert ids run to {extent[layer] - 1}, but only "
+                    f"{present} experts are present; pass n_experts= or a tier map",
+                    layer=layer,
+                )
+    return extent
+
+
+def _one_prefix(layer: int, items: list[_Expert]) -> str:
+    """The prefix a layer's expert tensors share. Slabs, units and tier maps are per layer
+    number: two models' (a text and a vision tower's) experts of one layer number would
+    share slabs named after one."""
+    prefixes = sorted({t.prefix for t in items})
+    if len(prefixes) > 1:
+        other = next(t for t in items if t.prefix == prefixes[1])
+        raise PartitionError(
+            f"layer {layer}: expert tensors under {len(prefixes)} prefixes "
+            f"({', '.join(map(repr, prefixes[:3]))}) share this layer number; give each "
+            "prefix a TieredMoE rule of its own (pattern=...)",
+            file=other.info.file,
+            tensor=other.info.name,
+            layer=layer,
+        )
+    return items[0].prefix
+
+
+def _check_coverage(
+    layer: int,
+    prefix: str,
+    partition: ExpertPartition,
+    fusion: Mapping[str, tuple[str, ...]],
+    schema: Mapping[str, torch.dtype],
+    present: set[tuple[int, str, str]],
+) -> None:
+    """Every expert of the partition has every projection's every placed suffix."""
+    missing = [
+        f"{prefix}.{e}.{proj}.{suffix}"
+        for e in partition.experts
+        for projs in fusion.values()
+        for proj in projs
+        for suffix in schema
+        if (e, proj, suffix) not in present
+    ]
+    if missing:
+        raise CoverageError(
+            f"layer {layer}: {len(missing)} expert tensors missing: {listing(missing, 5)}",
+            layer=layer,
+            missing=missing,
+        )
+
+
+def _add_routes(
+    columns: dict[str, list[Any]],
+    spec: SlabSpec,
+    entries: list[tuple[tuple[int, ...], _Expert]],
+    layer: int,
+    suffix: str,
+) -> None:
+    """The routes into one slab, appended to ``columns``: the general path's routes a
+    column at a time (see frozen_columns), as a large MoE checkpoint holds hundreds of
+    thousands of expert tensors, a Route each."""
+    # Row-major slot offsets; every slot lies in the slab by construction (the partition
+    # placed it), and plan() checks each offset again.
+    stride, width = spec.slot_nbytes, spec.slot_dims[-1]
+    slots = [slot for slot, _ in entries]
+    infos = [t.info for _, t in entries]
+    n = len(entries)
+    columns["tensor"] += map(NAME, infos)
+    columns["file"] += map(FILE, infos)
+    columns["src_offset"] += map(OFFSET, infos)
+    columns["nbytes"] += map(NBYTES, infos)
+    columns["slab"] += [spec.name] * n
+    columns["slot"] += slots
+    columns["dst_offset"] += [
+        (s[0] * width + s[1] if len(s) == 2 else s[0]) * stride for s in slots
+    ]
+    columns["unit"] += [spec.unit] * n
+    columns["layer"] += [layer] * n
+    columns["expert"] += [t.expert for _, t in entries]
+    columns["shard"] += [t.proj for _, t in entries]
+    columns["suffix"] += [suffix] * n
