@@ -27,7 +27,7 @@ from ._vocabulary import Claim, SlabSpec, mode_of_counts
 
 __all__ = ["ColumnarMoE", "MoERule"]
 
-#: Names matched at a time (see ``ColumnarMoE._matched``).
+#: Names matched at a time (see ``_matched``).
 _CHUNK = 16384
 
 
@@ -78,35 +78,14 @@ class ColumnarMoE:
         self.regex, self.shard_of = regex, shard_of
 
     def claim(self, numbers: Mapping[str, int]) -> Claim | None:
-        rule, table = self.rule, self.table
-        fields = ["proj", "suffix", "layer", "expert", "prefix"]
-        if "rank" in self.regex.groupindex:
-            fields.append("rank")
-        names, columns = self._matched(list(numbers), fields)
-        projs, suffixes, layer_texts, expert_texts, prefixes = columns[:5]
-        if len(columns) > 5 and set(columns[5]) - {None}:
-            return None  # rank-sliced
-        known = rule.schema.keys() | rule.markers.keys()
-        if not set(projs) <= self.shard_of.keys() or not set(suffixes) <= known:
-            return None  # an unknown projection or suffix, to be named
-        texts = set(layer_texts) | set(expert_texts)
-        if any(len(text) > 9 for text in texts):
-            return None  # an absurd number, to be named
-        value = {text: int(text) for text in texts}
-        layers = list(map(value.__getitem__, layer_texts))
-        experts = list(map(value.__getitem__, expert_texts))
-        tensor = list(map(numbers.__getitem__, names))
+        layers = self._read(numbers)
+        if layers is None:
+            return None
         self.tiers.check_declared_layers(set(layers))
         by_layer = _positions_by_layer(layers)
-        extent: dict[int, int] = {}
-        for layer, at in by_layer.items():
-            mine = list(map(experts.__getitem__, at))
-            extent[layer] = max(mine) + 1
-            if rule.n_experts is None and rule.tier_map is None:
-                present = len(set(mine))
-                if extent[layer] > 2 * present + 64:
-                    return None  # a stray expert id, to be named
-        self.columns = names, projs, suffixes, experts, prefixes, tensor
+        extent = self._extents(by_layer)
+        if extent is None:
+            return None  # a stray expert id, to be named
         self.out: dict[str, Any] = {
             f: array.array("I")
             for f in ("tensor", "slab", "slot", "unit", "expert", "shard", "suffix", "layer")
@@ -122,10 +101,52 @@ class ColumnarMoE:
             if partition is None:
                 return None
             partitions[layer] = partition
+        return self._claim(partitions, checked)
+
+    def _read(self, numbers: Mapping[str, int]) -> list[int] | None:
+        """The columns of the names the pattern matches (kept as ``self.columns``), and each
+        name's layer; ``None`` where the general path is to decide."""
+        rule = self.rule
+        fields = ["proj", "suffix", "layer", "expert", "prefix"]
+        if "rank" in self.regex.groupindex:
+            fields.append("rank")
+        names, columns = _matched(self.regex, list(numbers), fields)
+        projs, suffixes, layer_texts, expert_texts, prefixes = columns[:5]
+        if len(columns) > 5 and set(columns[5]) - {None}:
+            return None  # rank-sliced
+        known = rule.schema.keys() | rule.markers.keys()
+        if not set(projs) <= self.shard_of.keys() or not set(suffixes) <= known:
+            return None  # an unknown projection or suffix, to be named
+        texts = set(layer_texts) | set(expert_texts)
+        if any(len(text) > 9 for text in texts):
+            return None  # an absurd number, to be named
+        value = {text: int(text) for text in texts}
+        layers = list(map(value.__getitem__, layer_texts))
+        experts = list(map(value.__getitem__, expert_texts))
+        tensor = list(map(numbers.__getitem__, names))
+        self.columns = names, projs, suffixes, experts, prefixes, tensor
+        return layers
+
+    def _extents(self, by_layer: Mapping[int, range | list[int]]) -> dict[int, int] | None:
+        """Each layer's experts as far as their ids run; ``None`` where the count is
+        inferred from them and an id runs far past the experts present."""
+        rule, experts = self.rule, self.columns[3]
+        extent: dict[int, int] = {}
+        for layer, at in by_layer.items():
+            mine = list(map(experts.__getitem__, at))
+            extent[layer] = max(mine) + 1
+            if rule.n_experts is None and rule.tier_map is None:
+                present = len(set(mine))
+                if extent[layer] > 2 * present + 64:
+                    return None
+        return extent
+
+    def _claim(self, partitions: dict[int, ExpertPartition], checked: list[str]) -> Claim:
+        """The claim of the planned layers: their slabs, and the routes as a table."""
         out, codes = self.out, self.codes
         context = {f: (out[f], list(codes[f])) for f in ("layer", "expert", "shard", "suffix")}
         routes = RouteTable(
-            table,
+            self.table,
             self.slabs,
             out["tensor"],
             out["slab"],
@@ -142,30 +163,6 @@ class ColumnarMoE:
             skipped=(),
             extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
         )
-
-    def _matched(self, pending: list[str], fields: list[str]) -> tuple[list[str], list[list[Any]]]:
-        """The names the pattern matches, and per field the group's text for each.
-
-        A chunk at a time, each group's texts replaced by one object per distinct text: the
-        match objects, group tuples and per-name copies of ``"gate_proj"`` never exist for
-        every name at once (they would be several hundred bytes a name at the peak)."""
-        # By number: a group looked up by name costs a dict lookup per name and field.
-        group = operator.methodcaller("group", *(self.regex.groupindex[f] for f in fields))
-        canonical: list[dict[Any, Any]] = [{} for _ in fields]
-        names: list[str] = []
-        columns: list[list[Any]] = [[] for _ in fields]
-        for start in range(0, len(pending), _CHUNK):
-            chunk = pending[start : start + _CHUNK]
-            matches = list(map(self.regex.fullmatch, chunk))
-            found = list(map(operator.is_not, matches, itertools.repeat(None)))
-            names += itertools.compress(chunk, found)
-            groups = list(map(group, itertools.compress(matches, found)))
-            del matches
-            for column, texts, same in zip(
-                columns, zip(*groups, strict=True), canonical, strict=False
-            ):
-                column += map(same.setdefault, texts, texts)
-        return names, columns
 
     def _layer(
         self, layer: int, at: range | list[int], extent: int, checked: list[str]
@@ -185,17 +182,9 @@ class ColumnarMoE:
         partition = self._partition(layer, names, suffixes, experts, kinds, extent)
         if partition is None:
             return None
-        # Markers: dtype-checked (per distinct suffix and kind), never placed.
-        is_marker = list(map(rule.markers.__contains__, suffixes))
-        for suffix, kind in set(
-            zip(
-                itertools.compress(suffixes, is_marker),
-                itertools.compress(kinds, is_marker),
-                strict=True,
-            )
-        ):
-            if table.kinds[kind][1] != rule.markers[suffix]:
-                return None  # a marker of the wrong dtype, to be named
+        is_marker = self._markers(suffixes, kinds)
+        if is_marker is None:
+            return None  # a marker of the wrong dtype, to be named
         checked.extend(itertools.compress(names, is_marker))
         placed = list(map(operator.not_, is_marker))
         experts, projs, suffixes, tensor, kinds = (
@@ -206,7 +195,7 @@ class ColumnarMoE:
         wanted = len(partition.experts) * n_projs * len(rule.schema)
         if len(set(zip(experts, projs, suffixes, strict=True))) != wanted:
             return None  # expert tensors missing, to be named
-        slab, slot = self._slots(partition, experts, projs, suffixes)
+        slab, slot = _slots(rule, self.shard_of, partition, experts, projs, suffixes)
         base = len(self.slabs)
         unit = rule.unit_of(layer)
         self._add_slabs(layer, prefixes[0], unit, partition, slab, kinds)
@@ -228,6 +217,22 @@ class ColumnarMoE:
                 numbered.setdefault(distinct, len(numbered))
             out[name].extend(map(numbered.__getitem__, column))
         return partition
+
+    def _markers(self, suffixes: list[str], kinds: list[int]) -> list[bool] | None:
+        """Which tensors are markers: dtype-checked (per distinct suffix and kind), never
+        placed; ``None`` if one has the wrong dtype."""
+        rule, table = self.rule, self.table
+        is_marker = list(map(rule.markers.__contains__, suffixes))
+        for suffix, kind in set(
+            zip(
+                itertools.compress(suffixes, is_marker),
+                itertools.compress(kinds, is_marker),
+                strict=True,
+            )
+        ):
+            if table.kinds[kind][1] != rule.markers[suffix]:
+                return None
+        return is_marker
 
     def _partition(
         self,
@@ -260,66 +265,6 @@ class ColumnarMoE:
             return next(n for e, b, n in pairs if (e, b) == (expert, bits))
 
         return self.tiers.partition_of(layer, bits_of, extent, first_name)
-
-    def _slots(
-        self, partition: ExpertPartition, experts: list[int], projs: list[str], suffixes: list[str]
-    ) -> tuple[list[int], list[int]]:
-        """Each placed tensor's slab (numbered within the layer) and slot (row-major)."""
-        rule = self.rule
-        fusion, schema = rule.fusion, rule.schema
-        # Slab number within the layer: group, then fused projection, then suffix, as the
-        # general path orders them; slot: offset * a + c for the expert's group and the
-        # projection (its shard's place in the fused slab).
-        where = {e: partition.locate(e) for e in dict.fromkeys(experts)}
-        group_number = {g: i for i, g in enumerate(partition.groups)}
-        fused_number = {f: i for i, f in enumerate(fusion)}
-        suffix_number = {x: i for i, x in enumerate(schema)}
-        proj_number = {p: i for i, p in enumerate(self.shard_of)}
-        n_fused, n_suffixes = len(fusion), len(schema)
-        g_of = {e: group_number[g] for e, (g, _) in where.items()}
-        offset_of = {e: o for e, (_, o) in where.items()}
-        groups = list(map(g_of.__getitem__, experts))
-        step = {p: fused_number[f] * n_suffixes for p, (f, _, _) in self.shard_of.items()}
-        slab = list(
-            map(
-                operator.add,
-                map(
-                    operator.add,
-                    map(operator.mul, groups, itertools.repeat(n_fused * n_suffixes)),
-                    map(step.__getitem__, projs),
-                ),
-                map(suffix_number.__getitem__, suffixes),
-            )
-        )
-        expert_major = rule.layout == "expert_major"
-        scale: list[int] = []
-        shift: list[int] = []
-        for members in partition.groups.values():
-            for fused, shard, alone in self.shard_of.values():
-                width = len(fusion[fused])
-                if alone:
-                    a, c = 1, 0
-                elif expert_major:
-                    a, c = width, shard
-                else:
-                    a, c = 1, shard * len(members)
-                scale.append(a)
-                shift.append(c)
-        gp = list(
-            map(
-                operator.add,
-                map(operator.mul, groups, itertools.repeat(len(proj_number))),
-                map(proj_number.__getitem__, projs),
-            )
-        )
-        slot = list(
-            map(
-                operator.add,
-                map(operator.mul, map(offset_of.__getitem__, experts), map(scale.__getitem__, gp)),
-                map(shift.__getitem__, gp),
-            )
-        )
-        return slab, slot
 
     def _add_slabs(
         self,
@@ -365,6 +310,105 @@ class ColumnarMoE:
                         )
                     )
                     code += 1
+
+
+def _slots(
+    rule: MoERule,
+    shard_of: Mapping[str, tuple[str, int, bool]],
+    partition: ExpertPartition,
+    experts: list[int],
+    projs: list[str],
+    suffixes: list[str],
+) -> tuple[list[int], list[int]]:
+    """Each placed tensor's slab (numbered within the layer) and slot (row-major)."""
+    fusion, schema = rule.fusion, rule.schema
+    # Slab number within the layer: group, then fused projection, then suffix, as the
+    # general path orders them; slot: offset * a + c for the expert's group and the
+    # projection (its shard's place in the fused slab).
+    where = {e: partition.locate(e) for e in dict.fromkeys(experts)}
+    group_number = {g: i for i, g in enumerate(partition.groups)}
+    fused_number = {f: i for i, f in enumerate(fusion)}
+    suffix_number = {x: i for i, x in enumerate(schema)}
+    proj_number = {p: i for i, p in enumerate(shard_of)}
+    n_fused, n_suffixes = len(fusion), len(schema)
+    g_of = {e: group_number[g] for e, (g, _) in where.items()}
+    offset_of = {e: o for e, (_, o) in where.items()}
+    groups = list(map(g_of.__getitem__, experts))
+    step = {p: fused_number[f] * n_suffixes for p, (f, _, _) in shard_of.items()}
+    slab = list(
+        map(
+            operator.add,
+            map(
+                operator.add,
+                map(operator.mul, groups, itertools.repeat(n_fused * n_suffixes)),
+                map(step.__getitem__, projs),
+            ),
+            map(suffix_number.__getitem__, suffixes),
+        )
+    )
+    scale, shift = _slot_steps(rule, shard_of, partition)
+    gp = list(
+        map(
+            operator.add,
+            map(operator.mul, groups, itertools.repeat(len(proj_number))),
+            map(proj_number.__getitem__, projs),
+        )
+    )
+    slot = list(
+        map(
+            operator.add,
+            map(operator.mul, map(offset_of.__getitem__, experts), map(scale.__getitem__, gp)),
+            map(shift.__getitem__, gp),
+        )
+    )
+    return slab, slot
+
+
+def _slot_steps(
+    rule: MoERule, shard_of: Mapping[str, tuple[str, int, bool]], partition: ExpertPartition
+) -> tuple[list[int], list[int]]:
+    """``a`` and ``c`` of ``slot = offset * a + c`` for each group and projection, in that
+    order: where a projection's shard lies in its fused slab."""
+    expert_major = rule.layout == "expert_major"
+    scale: list[int] = []
+    shift: list[int] = []
+    for members in partition.groups.values():
+        for fused, shard, alone in shard_of.values():
+            width = len(rule.fusion[fused])
+            if alone:
+                a, c = 1, 0
+            elif expert_major:
+                a, c = width, shard
+            else:
+                a, c = 1, shard * len(members)
+            scale.append(a)
+            shift.append(c)
+    return scale, shift
+
+
+def _matched(
+    regex: re.Pattern[str], pending: list[str], fields: list[str]
+) -> tuple[list[str], list[list[Any]]]:
+    """The names the pattern matches, and per field the group's text for each.
+
+    A chunk at a time, each group's texts replaced by one object per distinct text: the
+    match objects, group tuples and per-name copies of ``"gate_proj"`` never exist for
+    every name at once (they would be several hundred bytes a name at the peak)."""
+    # By number: a group looked up by name costs a dict lookup per name and field.
+    group = operator.methodcaller("group", *(regex.groupindex[f] for f in fields))
+    canonical: list[dict[Any, Any]] = [{} for _ in fields]
+    names: list[str] = []
+    columns: list[list[Any]] = [[] for _ in fields]
+    for start in range(0, len(pending), _CHUNK):
+        chunk = pending[start : start + _CHUNK]
+        matches = list(map(regex.fullmatch, chunk))
+        found = list(map(operator.is_not, matches, itertools.repeat(None)))
+        names += itertools.compress(chunk, found)
+        groups = list(map(group, itertools.compress(matches, found)))
+        del matches
+        for column, texts, same in zip(columns, zip(*groups, strict=True), canonical, strict=False):
+            column += map(same.setdefault, texts, texts)
+    return names, columns
 
 
 def _positions_by_layer(layers: list[int]) -> dict[int, range | list[int]]:
