@@ -201,6 +201,18 @@ def cmd_load(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):
                 _write_json(json_path, _load_report(path, p, options, seen, state, err))
         raise
+    return _report(path, p, options, loaded, json_path, to_stdout)
+
+
+def _report(
+    path: Path,
+    p: Plan,
+    options: LoadOptions,
+    loaded: Loaded,
+    json_path: Path | None,
+    to_stdout: bool,
+) -> int:
+    """``load``'s outcome told: the verdict, the JSON report, the table; the exit status."""
     verify = loaded.verify
     # The JSON and the verdict first: a reader of stdout that left early loses neither.
     if verify is not None and not verify.ok:

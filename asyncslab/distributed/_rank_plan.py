@@ -94,6 +94,24 @@ def _slice_count(checkpoint: Checkpoint, pattern: str) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
+def _check_slicing(checkpoint: Checkpoint, mode: Mode, world: int) -> None:
+    """A checkpoint sliced per rank is loaded with mode ``"pre-sliced"``, by as many ranks
+    as it has slices; one of whole expert tensors, with any other mode."""
+    slices = _slice_count(checkpoint, EXL3_EXPERT_PATTERN)
+    if mode == "pre-sliced":
+        if slices is None:
+            raise PlanError(
+                "mode 'pre-sliced' needs a checkpoint sliced per rank "
+                "('...<proj>.rank<r>.<suffix>'); this one has whole expert tensors"
+            )
+        if slices != world:
+            raise PlanError(
+                f"checkpoint is sliced for {slices} ranks, but the process group has {world}"
+            )
+    elif slices is not None:
+        raise PlanError(f"checkpoint is sliced for {slices} ranks; load it with mode='pre-sliced'")
+
+
 def rank_plan(
     checkpoint: Checkpoint,
     *,
@@ -131,19 +149,7 @@ def rank_plan(
     if not 0 <= r < w:
         raise PlanError(f"rank {r} is outside world size {w}")
     declared = load_tier_map(tier_map) if tier_map is not None else None
-    slices = _slice_count(checkpoint, EXL3_EXPERT_PATTERN)
-    if mode == "pre-sliced":
-        if slices is None:
-            raise PlanError(
-                "mode 'pre-sliced' needs a checkpoint sliced per rank "
-                "('...<proj>.rank<r>.<suffix>'); this one has whole expert tensors"
-            )
-        if slices != w:
-            raise PlanError(
-                f"checkpoint is sliced for {slices} ranks, but the process group has {w}"
-            )
-    elif slices is not None:
-        raise PlanError(f"checkpoint is sliced for {slices} ranks; load it with mode='pre-sliced'")
+    _check_slicing(checkpoint, mode, w)
     rules: list[Rule] = [_RankTag(mode, r, w)]
     if mode in ("rows", "rows+experts"):
         rules.append(RowSlice(rows, rank=r, world=w))

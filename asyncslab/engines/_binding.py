@@ -67,31 +67,9 @@ def bind_module(
             if name in params:
                 unbound.append(name)
             continue
-        if isinstance(
-            current,
-            torch.nn.parameter.UninitializedParameter | torch.nn.parameter.UninitializedBuffer,
-        ):
-            problems.append(f"{name}: uninitialized (lazy) parameter; run a forward pass first")
-            continue
-        resolved = _resolve(slabs, target)
-        if isinstance(resolved, str):
-            problems.append(f"{name}: {resolved}")
-            continue
-        slab_name, slot, shape = resolved
-        # Basic indexing by a checked tuple of ints: always a view, never a copy.
-        view = slabs.slab(slab_name) if slot is None else slabs.slot(slab_name, slot)
-        if shape is not None:
-            try:
-                view = view.view(shape)
-            except RuntimeError as err:
-                problems.append(f"{name}: {slab_name} cannot be viewed as {list(shape)}: {err}")
-                continue
-        if view.shape != current.shape or view.dtype != current.dtype:
-            where = slab_name if slot is None else f"{slab_name}{list(slot)}"
-            problems.append(
-                f"{name}: module has {tuple(current.shape)} {current.dtype}, "
-                f"{where} is {tuple(view.shape)} {view.dtype}"
-            )
+        view = _view(slabs, name, current, target)
+        if isinstance(view, str):
+            problems.append(view)
             continue
         views[name] = view
     if problems:
@@ -102,6 +80,34 @@ def bind_module(
         )
     _install(module, views, params.keys())
     return views | {alias: views[first] for alias, first in aliases.items() if first in views}
+
+
+def _view(slabs: SlabSet, name: str, current: torch.Tensor, target: Target) -> torch.Tensor | str:
+    """The view of ``target`` that parameter or buffer ``name`` (now ``current``) is to
+    become, or what keeps it from being bound."""
+    if isinstance(
+        current,
+        torch.nn.parameter.UninitializedParameter | torch.nn.parameter.UninitializedBuffer,
+    ):
+        return f"{name}: uninitialized (lazy) parameter; run a forward pass first"
+    resolved = _resolve(slabs, target)
+    if isinstance(resolved, str):
+        return f"{name}: {resolved}"
+    slab_name, slot, shape = resolved
+    # Basic indexing by a checked tuple of ints: always a view, never a copy.
+    view = slabs.slab(slab_name) if slot is None else slabs.slot(slab_name, slot)
+    if shape is not None:
+        try:
+            view = view.view(shape)
+        except RuntimeError as err:
+            return f"{name}: {slab_name} cannot be viewed as {list(shape)}: {err}"
+    if view.shape != current.shape or view.dtype != current.dtype:
+        where = slab_name if slot is None else f"{slab_name}{list(slot)}"
+        return (
+            f"{name}: module has {tuple(current.shape)} {current.dtype}, "
+            f"{where} is {tuple(view.shape)} {view.dtype}"
+        )
+    return view
 
 
 def _targets(

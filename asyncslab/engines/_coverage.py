@@ -106,26 +106,7 @@ def plan_into(
         return found
 
     defaulted = _check_coverage(captured, list(required), frozenset(optional), resolved.shared)
-    grids: list[_Grid] = []
-    views: dict[str, torch.Tensor] = {}
-    for target, whole, runs in _grids(captured, info):
-        name, flat = captured.targets[target]
-        first = runs[0]
-        source = info(first.tensor)
-        # A run of a whole tensor takes its slot in the tensor's shape; a part of one (a
-        # rank's rows, say) in its elements.
-        item = source.shape if whole else (first.nbytes // source.dtype.itemsize,)
-        spec = SlabSpec(
-            name=f"{name}@{first.dst}",
-            unit=unit_of_layer(name),
-            dtype=source.dtype,
-            slot_dims=(len(runs),),
-            item_shape=item,
-            labels={"target": name},
-        )
-        grids.append(_Grid(spec, whole, runs))
-        end = first.dst + len(runs) * first.nbytes
-        views[spec.name] = flat[first.dst : end].view(source.dtype).view(len(runs), *item)
+    grids, views = _slabs(captured, info)
     # In checkpoint order, as they will be read.
     why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
     transformed = {n: why[n] for n in tensors if n in why}
@@ -168,6 +149,34 @@ def _stored_order(
         return files[found.file], found.offset
 
     return stored
+
+
+def _slabs(
+    captured: Capture, info: Callable[[str], TensorInfo]
+) -> tuple[list[_Grid], dict[str, torch.Tensor]]:
+    """Each of :func:`_grids`' runs as a slab, and the view of the engine's tensor that
+    slab is, by the slab's name."""
+    grids: list[_Grid] = []
+    views: dict[str, torch.Tensor] = {}
+    for target, whole, runs in _grids(captured, info):
+        name, flat = captured.targets[target]
+        first = runs[0]
+        source = info(first.tensor)
+        # A run of a whole tensor takes its slot in the tensor's shape; a part of one (a
+        # rank's rows, say) in its elements.
+        item = source.shape if whole else (first.nbytes // source.dtype.itemsize,)
+        spec = SlabSpec(
+            name=f"{name}@{first.dst}",
+            unit=unit_of_layer(name),
+            dtype=source.dtype,
+            slot_dims=(len(runs),),
+            item_shape=item,
+            labels={"target": name},
+        )
+        grids.append(_Grid(spec, whole, runs))
+        end = first.dst + len(runs) * first.nbytes
+        views[spec.name] = flat[first.dst : end].view(source.dtype).view(len(runs), *item)
+    return grids, views
 
 
 def _grids(

@@ -29,7 +29,7 @@ from ..checkpoint import Checkpoint
 from ..errors import LoadError
 from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
 from ._coverage import IntoPlan, plan_into
-from ._derive import capture_derived
+from ._derive import Derivation, capture_derived
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._prefault import Prefault
@@ -136,15 +136,7 @@ def load_into_engine(
     # the checkpoint read (see _prefault); stopped before the engine's loader transforms
     # tensors, as its casts use every core.
     with Prefault(p for _, p in engine.parameters):
-        captured, derivation = capture_derived(
-            engine.load,
-            [
-                (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
-                for name, ck in names.items()
-            ],
-            [*engine.parameters, *engine.buffers],
-            device=engine.stand_ins,
-        )
+        captured, derivation = _record(checkpoint, engine, names)
         recorded = time.perf_counter()
         into = _plan(checkpoint, captured, engine, names, placed)
         planned = time.perf_counter()
@@ -170,6 +162,22 @@ def load_into_engine(
         load_s=loaded.elapsed_s,
         transformed_s=finished - reads_done,
         total_s=finished - started,
+    )
+
+
+def _record(
+    checkpoint: Checkpoint, engine: Engine, names: Mapping[str, str]
+) -> tuple[Capture, Derivation]:
+    """The engine's loader recorded on stand-ins of the tensors it is given (``names``:
+    the engine's name -> the checkpoint's)."""
+    return capture_derived(
+        engine.load,
+        [
+            (name, checkpoint.tensors[ck].dtype, checkpoint.tensors[ck].shape)
+            for name, ck in names.items()
+        ],
+        [*engine.parameters, *engine.buffers],
+        device=engine.stand_ins,
     )
 
 

@@ -299,19 +299,7 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             and args[0].is_contiguous()
             and _same_dtype(func, args, kwargs)
         ):
-            # A contiguous copy of a stand-in (to the target device, say) is a stand-in too:
-            # made, never filled.
-            src = args[0]
-            out = torch.empty(src.shape, dtype=src.dtype, device=_device(func, args, kwargs))
-            start = origins[0].base
-            assert start is not None
-            base = start + int(src.storage_offset()) * src.element_size()
-            self._keep.append(out)
-            if out.numel():
-                self._origins[_storage_ptr(out)] = _Origin(
-                    origins[0].names, base, src.element_size()
-                )
-            return out
+            return self._stand_in_copy(args[0], origins[0], _device(func, args, kwargs))
         if not (op.is_view or op.mutates_first or op.makes_new):
             self._maybe_read(op.name, leaves)
         out = func(*args, **kwargs)
@@ -336,6 +324,20 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self._transform(names, f"the loader computes from it ({op.name})")
             self._keep.append(result)
             self._origins[ptr] = _Origin(names, None)
+        return out
+
+    def _stand_in_copy(
+        self, src: torch.Tensor, origin: _Origin, device: torch.device
+    ) -> torch.Tensor:
+        """A contiguous copy of a stand-in (to the target device, say): a stand-in too,
+        made, never filled."""
+        out = torch.empty(src.shape, dtype=src.dtype, device=device)
+        start = origin.base
+        assert start is not None
+        base = start + int(src.storage_offset()) * src.element_size()
+        self._keep.append(out)
+        if out.numel():
+            self._origins[_storage_ptr(out)] = _Origin(origin.names, base, src.element_size())
         return out
 
     def _count(self, op: _Op) -> None:

@@ -31,18 +31,15 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import SCHEMES, Checkpoint, ObjectPath, TensorInfo
+from ..checkpoint import Checkpoint, TensorInfo
 from ..errors import (
-    CheckpointError,
     LoadError,
-    MissingFileError,
     ShapeMismatchError,
-    UnsafePathError,
 )
 from ..loading import (
     LoadOptions,
@@ -54,13 +51,22 @@ from ..loading import (
 )
 from ..planning import Claim, Plan, SlabSpec, make_route, plan, unit_of_layer
 from ._engine_load import run_sync
+from ._transformers_model import (
+    build_model,
+    config_at,
+    dtype_lookup,
+    is_object_uri,
+    local_files,
+    model_class_of,
+    model_dtype,
+    read_config,
+)
 from ._transformers_places import Converted, Places, places, refuse_quantized
 
 __all__ = ["TransformersLoad", "from_pretrained", "load", "load_pretrained"]
 
 #: The weights, read by the load; every other file under a prefix (config, tokenizer,
 #: generation config, chat template) is fetched.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 #: From object storage, the GETs in flight unless the caller sets them. Presigned GETs
 #: (``s3://``, ``az://``) read their bodies straight into the parameters and hold no memory:
@@ -221,7 +227,7 @@ def _load_options(
     presigned (known once the checkpoint is ``opened``; before, the options are only
     checked), else :data:`OBJECT_STORE_REQUESTS`."""
     asked = LoadOptions(**options)
-    if not _is_object_uri(os.fspath(source)):
+    if not is_object_uri(os.fspath(source)):
         return asked
     presigned = (
         opened is not None
@@ -267,49 +273,23 @@ def _prepare(
     storage_options: Mapping[str, str | bool | int | float] | None,
     disable_mmap: bool | None,
 ) -> _Prepared:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.modeling_utils import ContextManagers  # type: ignore[attr-defined]
-    from transformers.monkey_patching import patch_output_recorders
 
     where = os.fspath(source)
-    temporary = None
-    if _is_object_uri(where):
-        temporary = tempfile.TemporaryDirectory(prefix="asyncslab-transformers-")
-        files = Path(temporary.name)
-        try:
-            _fetch_files(where, files, storage_options or {}, need_config=config is None)
-        except BaseException:
-            temporary.cleanup()
-            raise
-    else:
-        path = Path(where)
-        files = path if path.is_dir() else path.parent
+    files, temporary = local_files(where, storage_options, need_config=config is None)
     try:
         given = config is not None
-        if config is None:
-            if not (files / "config.json").is_file():
-                raise MissingFileError(
-                    "no config.json beside the checkpoint (or pass config=...)", file=files
-                )
-            config = AutoConfig.from_pretrained(files)
-        config = copy.deepcopy(config)
+        config = read_config(config, files)
         # From the config alone: before a header is opened, let alone a payload byte read.
-        refuse_quantized(config, _config_at(where, files, given))
+        refuse_quantized(config, config_at(where, files, given))
         checkpoint = Checkpoint.open(where, storage_options=storage_options)
-        cls = _model_class(model_class or AutoModelForCausalLM, config)
-        target, cast = _dtype(dtype, config, checkpoint)
-        config.dtype = target
-        for sub in getattr(config, "sub_configs", {}):
-            if (sub_config := getattr(config, sub, None)) is not None:
-                sub_config.dtype = target
-        config.name_or_path = where
-        with ContextManagers(cls.get_init_context(target, False, False, None)):
-            model = cls(config)
-            patch_output_recorders(model)
+        cls = model_class_of(model_class or AutoModelForCausalLM, config)
+        target, cast = model_dtype(dtype, config, checkpoint)
+        model = build_model(cls, config, target, where)
         dtype_plan = model._get_dtype_plan(target)
         conversions = get_model_conversion_mapping(model, None, None)
-        dtype_of = _dtype_of(dtype_plan)
+        dtype_of = dtype_lookup(dtype_plan)
         found = places(
             model, checkpoint.tensors, conversions, dtype_of=dtype_of, dtype=target, cast=cast
         )
@@ -338,74 +318,6 @@ def _prepare(
         sources=sources,
         temporary=temporary,
     )
-
-
-def _config_at(where: str, files: Path, given: bool) -> str:
-    """Where the config came from, for an error to name: the ``config=`` argument, or the
-    ``config.json`` beside the checkpoint (under its URI when it is in object storage)."""
-    if given:
-        return f"{where} (config=...)"
-    if _is_object_uri(where):
-        return f"{where.rstrip('/')}/config.json"
-    return str(files / "config.json")
-
-
-def _model_class(model_class: Any, config: Any) -> Any:
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _get_model_class
-
-    mapping = getattr(model_class, "_model_mapping", None)
-    if mapping is not None:
-        try:
-            return _get_model_class(config, mapping)  # type: ignore[no-untyped-call]
-        except KeyError:
-            raise CheckpointError(
-                f"{model_class.__name__} has no model for config {type(config).__name__} "
-                f"(model_type {getattr(config, 'model_type', None)!r})"
-            ) from None
-    if isinstance(model_class, type) and issubclass(model_class, PreTrainedModel):
-        return model_class
-    raise TypeError(
-        f"model_class must be a PreTrainedModel class or an auto class, not {model_class!r}"
-    )
-
-
-def _dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> tuple[torch.dtype, bool]:
-    """The model's dtype, and whether tensors of another dtype are cast to it (asked for)."""
-    if dtype is None or dtype == "auto":
-        found = getattr(config, "dtype", None)
-        if isinstance(found, str):
-            found = getattr(torch, found, None)
-        if isinstance(found, torch.dtype):
-            return found, False
-        floats = [i.dtype for i in checkpoint.tensors.values() if i.dtype.is_floating_point]
-        return (floats[0] if floats else torch.get_default_dtype()), False
-    if isinstance(dtype, str):
-        named = getattr(torch, dtype, None)
-        if not isinstance(named, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is no torch dtype (or 'auto')")
-        dtype = named
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype, its name or 'auto', not {dtype!r}")
-    return dtype, True
-
-
-def _dtype_of(dtype_plan: Mapping[str, torch.dtype]) -> Any:
-    """A target's dtype once loaded: the model's, or the ``dtype_plan``'s (modules kept in
-    float32), matched as transformers matches it."""
-    if not dtype_plan:
-        return lambda name, meta: meta.dtype
-    from transformers.core_model_loading import build_glob_alternation
-
-    alternation, by_group, _ = build_glob_alternation(list(dtype_plan))
-
-    def dtype_of(name: str, meta: torch.Tensor) -> torch.dtype:
-        match = alternation.search(name)
-        if match is not None and match.lastgroup is not None:
-            return dtype_plan[by_group[match.lastgroup]]
-        return meta.dtype
-
-    return dtype_of
 
 
 def _check_converted(model: Any, found: Places, checkpoint: Checkpoint) -> None:
@@ -608,15 +520,37 @@ async def _read(
 def _finish(
     prepared: _Prepared, statistics: LoadStatistics, prepare_s: float, load_s: float
 ) -> tuple[Any, TransformersLoad]:
-    from transformers.modeling_utils import LoadStateDictConfig
-    from transformers.utils.loading_report import LoadStateDictInfo
-
     started = time.perf_counter()
     model = prepared.model
     with torch.no_grad():
         for group in prepared.found.converted:
             _convert(model, group, prepared.sources)
     prepared.sources.clear()
+    _finalize(model, prepared)
+    report = TransformersLoad(
+        source=prepared.source,
+        files=len(prepared.checkpoint.files),
+        tensors=len(prepared.checkpoint.tensors),
+        placed=len(prepared.found.placed),
+        bytes=statistics.bytes_landed,
+        mapped=len(prepared.mapped),
+        mapped_bytes=sum(t.nbytes for t in prepared.mapped.values()),
+        parameters=sum(1 for _ in model.parameters()),
+        converted={n: g.why for g in prepared.found.converted for n in g.names},
+        skipped=prepared.found.skipped,
+        prepare_s=prepare_s,
+        load_s=load_s,
+        finish_s=time.perf_counter() - started,
+    )
+    return model, report
+
+
+def _finalize(model: Any, prepared: _Prepared) -> None:
+    """``from_pretrained``'s own finishing steps (buffers computed, weights tied), eval mode
+    and the generation config, on the loaded model."""
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils.loading_report import LoadStateDictInfo
+
     info = LoadStateDictInfo(
         missing_keys={*prepared.found.missing_buffers, *prepared.found.missing_tied},
         unexpected_keys=set(),
@@ -651,22 +585,6 @@ def _finish(
             subfolder="",
             trust_remote_code=False,
         )
-    report = TransformersLoad(
-        source=prepared.source,
-        files=len(prepared.checkpoint.files),
-        tensors=len(prepared.checkpoint.tensors),
-        placed=len(prepared.found.placed),
-        bytes=statistics.bytes_landed,
-        mapped=len(prepared.mapped),
-        mapped_bytes=sum(t.nbytes for t in prepared.mapped.values()),
-        parameters=sum(1 for _ in model.parameters()),
-        converted={n: g.why for g in prepared.found.converted for n in g.names},
-        skipped=prepared.found.skipped,
-        prepare_s=prepare_s,
-        load_s=load_s,
-        finish_s=time.perf_counter() - started,
-    )
-    return model, report
 
 
 def _convert(model: Any, group: Converted, sources: Mapping[str, torch.Tensor]) -> None:
@@ -683,52 +601,3 @@ def _convert(model: Any, group: Converted, sources: Mapping[str, torch.Tensor]) 
 
 
 # --- object storage: the files beside the weights ---------------------------------------
-
-
-def _is_object_uri(text: str) -> bool:
-    return "://" in text and text.partition("://")[0] in SCHEMES
-
-
-def _fetch_files(
-    uri: str,
-    into: Path,
-    storage_options: Mapping[str, str | bool | int | float],
-    *,
-    need_config: bool,
-) -> None:
-    """Every object directly under ``uri`` but the weights (config, generation config,
-    tokenizer), into ``into``, by asyncslab's own client (endpoint and credentials from
-    the environment and ``storage_options``, as for ``Checkpoint.open``)."""
-    import obstore
-
-    from ..checkpoint import client, parse_uri, refused, store_spec
-
-    scheme, bucket, prefix = parse_uri(uri)
-    scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
-    spec = store_spec(scheme, bucket, storage_options)
-    store = client(spec)
-    where = ObjectPath.of(scheme, bucket, prefix)
-    try:
-        listed = obstore.list_with_delimiter(store, f"{prefix}/" if prefix else None)
-    except Exception as err:
-        raise refused(err, "listing the prefix", where, spec) from None
-    keys = [
-        meta["path"] for meta in listed["objects"] if not meta["path"].endswith(_WEIGHT_SUFFIXES)
-    ]
-    names = {key: PurePosixPath(key).name for key in keys}
-    if need_config and "config.json" not in names.values():
-        raise MissingFileError(
-            f"no config.json under {uri}: transformers needs the model's config beside its "
-            "weights (or pass config=...)",
-            file=where,
-        )
-    for key, name in names.items():
-        if name in ("", ".", "..") or "/" in name:
-            raise UnsafePathError(f"object {key!r} under {uri} has no safe file name", file=where)
-        try:
-            data = obstore.get(store, key).bytes()
-        except Exception as err:
-            raise refused(
-                err, "reading the object", ObjectPath.of(scheme, bucket, key), spec
-            ) from None
-        (into / name).write_bytes(bytes(data))

@@ -6,16 +6,13 @@ experts are partitioned into groups, one slab per (group, fused projection, suff
 nothing unknown — and an expert's offset is its rank inside its group, so the layout is a
 pure function of the partition (:mod:`._partition`: the partition, and the tier map it is
 checked against). Here: the rule that finds a layer's expert tensors and plans their slabs,
-by a general path and a columnar one for the common case.
+and its general path; the columnar one, for the common case, is :mod:`._moe_columnar`.
 """
 
 from __future__ import annotations
 
-import array
-import itertools
-import operator
 import re
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +25,6 @@ from .._heap import frozen_columns
 from ..checkpoint import (
     Checkpoint,
     TensorInfo,
-    TensorTable,
     safetensors_dtype,
 )
 from ..errors import (
@@ -38,8 +34,9 @@ from ..errors import (
     PlanError,
     UnmatchedTensorError,
 )
+from ._moe_columnar import ColumnarMoE
 from ._partition import ExpertPartition, TierRule, listing, load_tier_map
-from ._routes import RouteTable, numbers_of
+from ._routes import numbers_of
 from ._vocabulary import (
     FILE,
     NAME,
@@ -49,7 +46,6 @@ from ._vocabulary import (
     Route,
     SlabSpec,
     index_number,
-    mode_of_counts,
     mode_shape,
 )
 
@@ -75,9 +71,6 @@ def _k_name(bits: int) -> str:
 def _layer_unit(layer: int) -> str:
     return f"layers.{layer}"
 
-
-#: Names matched at a time by the columnar path (see ``_Columnar._matched``).
-_CHUNK = 16384
 
 _ROUTE_COLUMNS = (
     "tensor file src_offset nbytes slab slot dst_offset unit layer expert shard suffix".split()
@@ -189,26 +182,15 @@ class TieredMoE:
         tier_rule = self._tier_rule()
         numbers = numbers_of(checkpoint, pending)
         if numbers is not None and self.owns is None and self.rank is None:
-            fast = _Columnar(self, tier_rule, checkpoint.table, regex, shard_of).claim(numbers)
+            fast = ColumnarMoE(self, tier_rule, checkpoint.table, regex, shard_of).claim(numbers)
             if fast is not None:
                 return fast
         by_layer = _experts_by_layer(self, pending, regex, shard_of)
         tier_rule.check_declared_layers(by_layer.keys())
 
         skipped: list[str] = []
-        own = self._select_rank(by_layer, skipped)
-        extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
-        if self.n_experts is None and self.tier_map is None:
-            for layer, items in own.items():
-                present = len({t.expert for t in items})
-                if extent[layer] > 2 * present + 64:
-                    # Inferring the expert count from the largest id would make a stray
-                    # id like 10**20 allocate a partition that size.
-                    raise PartitionError(
-                        f"layer {layer}: expert ids run to {extent[layer] - 1}, but only "
-                        f"{present} experts are present; pass n_experts= or a tier map",
-                        layer=layer,
-                    )
+        own = _rank_slices(by_layer, self.rank, skipped)
+        extent = _extents(own, inferred=self.n_experts is None and self.tier_map is None)
         if self.owns is not None:
             owns = self.owns
             for layer, items in own.items():
@@ -236,53 +218,6 @@ class TieredMoE:
             extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
         )
 
-    def _select_rank(
-        self, by_layer: Mapping[int, list[_Expert]], skipped: list[str]
-    ) -> dict[int, list[_Expert]]:
-        ranks = {t.rank for items in by_layer.values() for t in items}
-        if not ranks or ranks == {None}:
-            if self.rank is not None:
-                raise PlanError(
-                    f"rank={self.rank} was given, but the checkpoint's expert tensors are not "
-                    "rank-sliced ('...<proj>.rank<r>.<suffix>')"
-                )
-            return dict(by_layer)
-        if None in ranks:
-            plain = next(t for items in by_layer.values() for t in items if t.rank is None)
-            raise PlanError(
-                "checkpoint mixes rank-sliced and whole expert tensors",
-                file=plain.info.file,
-                tensor=plain.info.name,
-            )
-        n_ranks = max(r for r in ranks if r is not None) + 1
-        if self.rank is None:
-            raise PlanError(
-                f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})",
-                ranks=n_ranks,
-            )
-        if not 0 <= self.rank < n_ranks:
-            raise PlanError(f"rank={self.rank}, but the checkpoint has ranks 0..{n_ranks - 1}")
-        seen: dict[tuple[int, int, str, str], set[int]] = defaultdict(set)
-        for items in by_layer.values():
-            for t in items:
-                assert t.rank is not None
-                seen[(t.layer, t.expert, t.proj, t.suffix)].add(t.rank)
-        for (layer, expert, proj, suffix), got in seen.items():
-            if len(got) != n_ranks:
-                missing = sorted(set(range(n_ranks)) - got)
-                raise CoverageError(
-                    f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
-                    f"{listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
-                    layer=layer,
-                    expert=expert,
-                    missing_ranks=missing,
-                )
-        own: dict[int, list[_Expert]] = {}
-        for layer, items in by_layer.items():
-            own[layer] = [t for t in items if t.rank == self.rank]
-            skipped.extend(t.info.name for t in items if t.rank != self.rank)
-        return own
-
     def _plan_layer(
         self,
         layer: int,
@@ -292,21 +227,8 @@ class TieredMoE:
         shard_of: Mapping[str, tuple[str, int, bool]],
         tier_rule: TierRule,
     ) -> tuple[ExpertPartition, list[SlabSpec], list[Route]]:
-        prefixes = sorted({t.prefix for t in items})
-        if len(prefixes) > 1:
-            # Slabs, units and tier maps are per layer number: two models' (a text and a
-            # vision tower's) experts of one layer number would share slabs named after one.
-            other = next(t for t in items if t.prefix == prefixes[1])
-            raise PartitionError(
-                f"layer {layer}: expert tensors under {len(prefixes)} prefixes "
-                f"({', '.join(map(repr, prefixes[:3]))}) share this layer number; give each "
-                "prefix a TieredMoE rule of its own (pattern=...)",
-                file=other.info.file,
-                tensor=other.info.name,
-                layer=layer,
-            )
+        prefix = _one_prefix(layer, items)
         partition = tier_rule.partition(layer, items, extent)
-        prefix = items[0].prefix
         placed: dict[tuple[str, str, str], list[tuple[tuple[int, ...], _Expert]]]
         placed = defaultdict(list)
         present: set[tuple[int, str, str]] = set()
@@ -339,20 +261,7 @@ class TieredMoE:
                 slot = (shard, offset)
             placed[(group, fused, t.suffix)].append((slot, t))
             present.add((t.expert, t.proj, t.suffix))
-        missing = [
-            f"{prefix}.{e}.{proj}.{suffix}"
-            for e in partition.experts
-            for projs in self.fusion.values()
-            for proj in projs
-            for suffix in self.schema
-            if (e, proj, suffix) not in present
-        ]
-        if missing:
-            raise CoverageError(
-                f"layer {layer}: {len(missing)} expert tensors missing: {listing(missing, 5)}",
-                layer=layer,
-                missing=missing,
-            )
+        _check_coverage(layer, prefix, partition, self.fusion, self.schema, present)
         slabs, routes = self._layer_slabs(layer, prefix, partition, placed)
         return partition, slabs, routes
 
@@ -366,8 +275,6 @@ class TieredMoE:
         """A layer's slabs (one per group, fused projection and suffix) and the routes
         into them, from where each expert tensor was placed."""
         slabs: list[SlabSpec] = []
-        # The routes a column at a time (see frozen_columns): a large MoE checkpoint holds
-        # hundreds of thousands of expert tensors, a Route each.
         columns: dict[str, list[Any]] = {f: [] for f in _ROUTE_COLUMNS}
         unit = self.unit_of(layer)
         for group, members in partition.groups.items():
@@ -396,26 +303,7 @@ class TieredMoE:
                         },
                     )
                     slabs.append(spec)
-                    # Row-major slot offsets; every slot lies in the slab by construction
-                    # (the partition placed it), and plan() checks each offset again.
-                    stride, width = spec.slot_nbytes, slot_dims[-1]
-                    slots = [slot for slot, _ in entries]
-                    infos = [t.info for _, t in entries]
-                    n = len(entries)
-                    columns["tensor"] += map(NAME, infos)
-                    columns["file"] += map(FILE, infos)
-                    columns["src_offset"] += map(OFFSET, infos)
-                    columns["nbytes"] += map(NBYTES, infos)
-                    columns["slab"] += [spec.name] * n
-                    columns["slot"] += slots
-                    columns["dst_offset"] += [
-                        (s[0] * width + s[1] if len(s) == 2 else s[0]) * stride for s in slots
-                    ]
-                    columns["unit"] += [unit] * n
-                    columns["layer"] += [layer] * n
-                    columns["expert"] += [t.expert for _, t in entries]
-                    columns["shard"] += [t.proj for _, t in entries]
-                    columns["suffix"] += [suffix] * n
+                    _add_routes(columns, spec, entries, layer, suffix)
         return slabs, frozen_columns(Route, len(columns["tensor"]), columns, {})
 
 
@@ -464,330 +352,143 @@ def _experts_by_layer(
     return by_layer
 
 
-class _Columnar:
-    """:meth:`TieredMoE.claim` a column at a time, for the common case: the planner's
-    pending tensors, no rank slices, no expert ownership.
-
-    Each name is matched once (``map`` of the pattern's ``fullmatch``), its groups taken
-    as tuples, each distinct layer or expert number converted once; per layer, slabs and
-    slots are numbers computed by ``map`` over those columns, and the routes are a
-    :class:`~._routes.RouteTable`. It returns ``None`` wherever the general path would do
-    more than succeed (an error to name, rank slices): that path then runs and decides,
-    so the two agree (``test_columnar_moe_plans_what_the_general_path_plans``).
-    """
-
-    def __init__(
-        self,
-        rule: TieredMoE,
-        tiers: TierRule,
-        table: TensorTable,
-        regex: re.Pattern[str],
-        shard_of: Mapping[str, tuple[str, int, bool]],
-    ) -> None:
-        self.rule, self.tiers, self.table = rule, tiers, table
-        self.regex, self.shard_of = regex, shard_of
-
-    def claim(self, numbers: Mapping[str, int]) -> Claim | None:
-        rule, table = self.rule, self.table
-        fields = ["proj", "suffix", "layer", "expert", "prefix"]
-        if "rank" in self.regex.groupindex:
-            fields.append("rank")
-        names, columns = self._matched(list(numbers), fields)
-        projs, suffixes, layer_texts, expert_texts, prefixes = columns[:5]
-        if len(columns) > 5 and set(columns[5]) - {None}:
-            return None  # rank-sliced
-        known = rule.schema.keys() | rule.markers.keys()
-        if not set(projs) <= self.shard_of.keys() or not set(suffixes) <= known:
-            return None  # an unknown projection or suffix, to be named
-        texts = set(layer_texts) | set(expert_texts)
-        if any(len(text) > 9 for text in texts):
-            return None  # an absurd number, to be named
-        value = {text: int(text) for text in texts}
-        layers = list(map(value.__getitem__, layer_texts))
-        experts = list(map(value.__getitem__, expert_texts))
-        tensor = list(map(numbers.__getitem__, names))
-        self.tiers.check_declared_layers(set(layers))
-        by_layer = _positions_by_layer(layers)
-        extent: dict[int, int] = {}
-        for layer, at in by_layer.items():
-            mine = list(map(experts.__getitem__, at))
-            extent[layer] = max(mine) + 1
-            if rule.n_experts is None and rule.tier_map is None:
-                present = len(set(mine))
-                if extent[layer] > 2 * present + 64:
-                    return None  # a stray expert id, to be named
-        self.columns = names, projs, suffixes, experts, prefixes, tensor
-        self.out: dict[str, Any] = {
-            f: array.array("I")
-            for f in ("tensor", "slab", "slot", "unit", "expert", "shard", "suffix", "layer")
-        }
-        self.codes: dict[str, dict[Any, int]] = {
-            f: {} for f in ("unit", "expert", "shard", "suffix", "layer")
-        }
-        self.slabs: list[SlabSpec] = []
-        checked: list[str] = []
-        partitions: dict[int, ExpertPartition] = {}
-        for layer in sorted(by_layer):
-            partition = self._layer(layer, by_layer[layer], extent[layer], checked)
-            if partition is None:
-                return None
-            partitions[layer] = partition
-        out, codes = self.out, self.codes
-        context = {f: (out[f], list(codes[f])) for f in ("layer", "expert", "shard", "suffix")}
-        routes = RouteTable(
-            table,
-            self.slabs,
-            out["tensor"],
-            out["slab"],
-            out["slot"],
-            list(codes["unit"]),
-            out["unit"],
-            context,
-        )
-        tiers = {layer: p.sizes() for layer, p in partitions.items()}
-        return Claim(
-            slabs=tuple(self.slabs),
-            routes=routes,
-            checked=tuple(checked),
-            skipped=(),
-            extras={"partitions": MappingProxyType(partitions), "tiers": tiers},
-        )
-
-    def _matched(self, pending: list[str], fields: list[str]) -> tuple[list[str], list[list[Any]]]:
-        """The names the pattern matches, and per field the group's text for each.
-
-        A chunk at a time, each group's texts replaced by one object per distinct text: the
-        match objects, group tuples and per-name copies of ``"gate_proj"`` never exist for
-        every name at once (they would be several hundred bytes a name at the peak)."""
-        # By number: a group looked up by name costs a dict lookup per name and field.
-        group = operator.methodcaller("group", *(self.regex.groupindex[f] for f in fields))
-        canonical: list[dict[Any, Any]] = [{} for _ in fields]
-        names: list[str] = []
-        columns: list[list[Any]] = [[] for _ in fields]
-        for start in range(0, len(pending), _CHUNK):
-            chunk = pending[start : start + _CHUNK]
-            matches = list(map(self.regex.fullmatch, chunk))
-            found = list(map(operator.is_not, matches, itertools.repeat(None)))
-            names += itertools.compress(chunk, found)
-            groups = list(map(group, itertools.compress(matches, found)))
-            del matches
-            for column, texts, same in zip(
-                columns, zip(*groups, strict=True), canonical, strict=False
-            ):
-                column += map(same.setdefault, texts, texts)
-        return names, columns
-
-    def _layer(
-        self, layer: int, at: range | list[int], extent: int, checked: list[str]
-    ) -> ExpertPartition | None:
-        rule, table = self.rule, self.table
-        if isinstance(at, range):  # the layer's tensors are one run: slices
-            names, projs, suffixes, experts, prefixes, tensor = (
-                list(column[at.start : at.stop]) for column in self.columns
+def _rank_slices(
+    by_layer: Mapping[int, list[_Expert]], rank: int | None, skipped: list[str]
+) -> dict[int, list[_Expert]]:
+    """Each layer's tensors of ``rank``, the other ranks' slices skipped; of a checkpoint
+    that is not rank-sliced, all of them (and ``rank`` must be ``None``)."""
+    ranks = {t.rank for items in by_layer.values() for t in items}
+    if not ranks or ranks == {None}:
+        if rank is not None:
+            raise PlanError(
+                f"rank={rank} was given, but the checkpoint's expert tensors are not "
+                "rank-sliced ('...<proj>.rank<r>.<suffix>')"
             )
-        else:
-            names, projs, suffixes, experts, prefixes, tensor = (
-                list(map(column.__getitem__, at)) for column in self.columns
-            )
-        if len(set(prefixes)) > 1:
-            return None  # two models under one layer number, to be named
-        kinds = list(map(table.ids.__getitem__, tensor))
-        partition = self._partition(layer, names, suffixes, experts, kinds, extent)
-        if partition is None:
-            return None
-        # Markers: dtype-checked (per distinct suffix and kind), never placed.
-        is_marker = list(map(rule.markers.__contains__, suffixes))
-        for suffix, kind in set(
-            zip(
-                itertools.compress(suffixes, is_marker),
-                itertools.compress(kinds, is_marker),
-                strict=True,
-            )
-        ):
-            if table.kinds[kind][1] != rule.markers[suffix]:
-                return None  # a marker of the wrong dtype, to be named
-        checked.extend(itertools.compress(names, is_marker))
-        placed = list(map(operator.not_, is_marker))
-        experts, projs, suffixes, tensor, kinds = (
-            list(itertools.compress(column, placed))
-            for column in (experts, projs, suffixes, tensor, kinds)
+        return dict(by_layer)
+    if None in ranks:
+        plain = next(t for items in by_layer.values() for t in items if t.rank is None)
+        raise PlanError(
+            "checkpoint mixes rank-sliced and whole expert tensors",
+            file=plain.info.file,
+            tensor=plain.info.name,
         )
-        n_projs = sum(map(len, rule.fusion.values()))
-        wanted = len(partition.experts) * n_projs * len(rule.schema)
-        if len(set(zip(experts, projs, suffixes, strict=True))) != wanted:
-            return None  # expert tensors missing, to be named
-        slab, slot = self._slots(partition, experts, projs, suffixes)
-        base = len(self.slabs)
-        unit = rule.unit_of(layer)
-        self._add_slabs(layer, prefixes[0], unit, partition, slab, kinds)
-        out, codes = self.out, self.codes
-        n = len(tensor)
-        out["tensor"].extend(tensor)
-        out["slab"].extend(map(operator.add, slab, itertools.repeat(base)))
-        out["slot"].extend(slot)
-        for name, same in (("unit", unit), ("layer", layer)):
-            code = codes[name].setdefault(same, len(codes[name]))
-            out[name].extend(array.array("I", [code]) * n)
-        for name, column in (
-            ("expert", experts),
-            ("shard", projs),
-            ("suffix", suffixes),
-        ):
-            numbered = codes[name]
-            for distinct in dict.fromkeys(column):
-                numbered.setdefault(distinct, len(numbered))
-            out[name].extend(map(numbered.__getitem__, column))
-        return partition
-
-    def _partition(
-        self,
-        layer: int,
-        names: list[str],
-        suffixes: list[str],
-        experts: list[int],
-        kinds: list[int],
-        extent: int,
-    ) -> ExpertPartition | None:
-        """The layer's partition, from the tier tensors' shapes (each distinct kind asked
-        once)."""
-        rule, table = self.rule, self.table
-        if rule.tier_suffix is None:
-            return None  # one group for every expert: the general path
-        is_tier = list(map(operator.eq, suffixes, itertools.repeat(rule.tier_suffix)))
-        tier_experts = list(itertools.compress(experts, is_tier))
-        tier_kinds = list(itertools.compress(kinds, is_tier))
-        bits_of_kind = {k: rule.tier_of(table.kinds[k][2]) for k in set(tier_kinds)}
-        tier_bits = list(map(bits_of_kind.__getitem__, tier_kinds))
-        bits_of = dict(zip(tier_experts, tier_bits, strict=True))
-        if len(set(zip(tier_experts, tier_bits, strict=True))) != len(bits_of):
-            return None  # projections disagree on a tier, to be named
-        if not set(experts) <= bits_of.keys():
-            return None  # an expert without its tier tensor, to be named
-
-        def first_name(expert: int, bits: int) -> str:
-            tier_names = itertools.compress(names, is_tier)
-            pairs = zip(tier_experts, tier_bits, tier_names, strict=True)
-            return next(n for e, b, n in pairs if (e, b) == (expert, bits))
-
-        return self.tiers.partition_of(layer, bits_of, extent, first_name)
-
-    def _slots(
-        self, partition: ExpertPartition, experts: list[int], projs: list[str], suffixes: list[str]
-    ) -> tuple[list[int], list[int]]:
-        """Each placed tensor's slab (numbered within the layer) and slot (row-major)."""
-        rule = self.rule
-        fusion, schema = rule.fusion, rule.schema
-        # Slab number within the layer: group, then fused projection, then suffix, as the
-        # general path orders them; slot: offset * a + c for the expert's group and the
-        # projection (its shard's place in the fused slab).
-        where = {e: partition.locate(e) for e in dict.fromkeys(experts)}
-        group_number = {g: i for i, g in enumerate(partition.groups)}
-        fused_number = {f: i for i, f in enumerate(fusion)}
-        suffix_number = {x: i for i, x in enumerate(schema)}
-        proj_number = {p: i for i, p in enumerate(self.shard_of)}
-        n_fused, n_suffixes = len(fusion), len(schema)
-        g_of = {e: group_number[g] for e, (g, _) in where.items()}
-        offset_of = {e: o for e, (_, o) in where.items()}
-        groups = list(map(g_of.__getitem__, experts))
-        step = {p: fused_number[f] * n_suffixes for p, (f, _, _) in self.shard_of.items()}
-        slab = list(
-            map(
-                operator.add,
-                map(
-                    operator.add,
-                    map(operator.mul, groups, itertools.repeat(n_fused * n_suffixes)),
-                    map(step.__getitem__, projs),
-                ),
-                map(suffix_number.__getitem__, suffixes),
-            )
+    n_ranks = max(r for r in ranks if r is not None) + 1
+    if rank is None:
+        raise PlanError(
+            f"checkpoint is rank-sliced into {n_ranks} ranks; pass rank= (0..{n_ranks - 1})",
+            ranks=n_ranks,
         )
-        expert_major = rule.layout == "expert_major"
-        scale: list[int] = []
-        shift: list[int] = []
-        for members in partition.groups.values():
-            for fused, shard, alone in self.shard_of.values():
-                width = len(fusion[fused])
-                if alone:
-                    a, c = 1, 0
-                elif expert_major:
-                    a, c = width, shard
-                else:
-                    a, c = 1, shard * len(members)
-                scale.append(a)
-                shift.append(c)
-        gp = list(
-            map(
-                operator.add,
-                map(operator.mul, groups, itertools.repeat(len(proj_number))),
-                map(proj_number.__getitem__, projs),
+    if not 0 <= rank < n_ranks:
+        raise PlanError(f"rank={rank}, but the checkpoint has ranks 0..{n_ranks - 1}")
+    seen: dict[tuple[int, int, str, str], set[int]] = defaultdict(set)
+    for items in by_layer.values():
+        for t in items:
+            assert t.rank is not None
+            seen[(t.layer, t.expert, t.proj, t.suffix)].add(t.rank)
+    for (layer, expert, proj, suffix), got in seen.items():
+        if len(got) != n_ranks:
+            missing = sorted(set(range(n_ranks)) - got)
+            raise CoverageError(
+                f"layer {layer} expert {expert} {proj}.{suffix}: rank slices "
+                f"{listing(missing)} missing (checkpoint has ranks 0..{n_ranks - 1})",
+                layer=layer,
+                expert=expert,
+                missing_ranks=missing,
             )
+    own: dict[int, list[_Expert]] = {}
+    for layer, items in by_layer.items():
+        own[layer] = [t for t in items if t.rank == rank]
+        skipped.extend(t.info.name for t in items if t.rank != rank)
+    return own
+
+
+def _extents(own: Mapping[int, list[_Expert]], inferred: bool) -> dict[int, int]:
+    """Each layer's experts as far as their ids run. Where the expert count is ``inferred``
+    from them (no ``n_experts``, no tier map), ids far past the experts present are refused:
+    a stray id like 10**20 would allocate a partition that size."""
+    extent = {layer: max(t.expert for t in items) + 1 for layer, items in own.items()}
+    if inferred:
+        for layer, items in own.items():
+            present = len({t.expert for t in items})
+            if extent[layer] > 2 * present + 64:
+                raise PartitionError(
+                    f"layer {layer}: expert ids run to {extent[layer] - 1}, but only "
+                    f"{present} experts are present; pass n_experts= or a tier map",
+                    layer=layer,
+                )
+    return extent
+
+
+def _one_prefix(layer: int, items: list[_Expert]) -> str:
+    """The prefix a layer's expert tensors share. Slabs, units and tier maps are per layer
+    number: two models' (a text and a vision tower's) experts of one layer number would
+    share slabs named after one."""
+    prefixes = sorted({t.prefix for t in items})
+    if len(prefixes) > 1:
+        other = next(t for t in items if t.prefix == prefixes[1])
+        raise PartitionError(
+            f"layer {layer}: expert tensors under {len(prefixes)} prefixes "
+            f"({', '.join(map(repr, prefixes[:3]))}) share this layer number; give each "
+            "prefix a TieredMoE rule of its own (pattern=...)",
+            file=other.info.file,
+            tensor=other.info.name,
+            layer=layer,
         )
-        slot = list(
-            map(
-                operator.add,
-                map(operator.mul, map(offset_of.__getitem__, experts), map(scale.__getitem__, gp)),
-                map(shift.__getitem__, gp),
-            )
+    return items[0].prefix
+
+
+def _check_coverage(
+    layer: int,
+    prefix: str,
+    partition: ExpertPartition,
+    fusion: Mapping[str, tuple[str, ...]],
+    schema: Mapping[str, torch.dtype],
+    present: set[tuple[int, str, str]],
+) -> None:
+    """Every expert of the partition has every projection's every placed suffix."""
+    missing = [
+        f"{prefix}.{e}.{proj}.{suffix}"
+        for e in partition.experts
+        for projs in fusion.values()
+        for proj in projs
+        for suffix in schema
+        if (e, proj, suffix) not in present
+    ]
+    if missing:
+        raise CoverageError(
+            f"layer {layer}: {len(missing)} expert tensors missing: {listing(missing, 5)}",
+            layer=layer,
+            missing=missing,
         )
-        return slab, slot
-
-    def _add_slabs(
-        self,
-        layer: int,
-        prefix: str,
-        unit: str,
-        partition: ExpertPartition,
-        slab: list[int],
-        kinds: list[int],
-    ) -> None:
-        """The layer's slabs, in the general path's order, each slot's shape the most
-        common among its tensors."""
-        rule, table = self.rule, self.table
-        expert_major = rule.layout == "expert_major"
-        shapes: dict[int, Counter[tuple[int, ...]]] = defaultdict(Counter)
-        for (code, kind), count in Counter(zip(slab, kinds, strict=True)).items():
-            shapes[code][table.kinds[kind][2]] += count
-        code = 0
-        for group, members in partition.groups.items():
-            for fused, shards in rule.fusion.items():
-                for suffix, dtype in rule.schema.items():
-                    if len(shards) == 1:
-                        slot_dims: tuple[int, ...] = (len(members),)
-                    elif expert_major:
-                        slot_dims = (len(members), len(shards))
-                    else:
-                        slot_dims = (len(shards), len(members))
-                    self.slabs.append(
-                        SlabSpec(
-                            name=f"{prefix}.{group}.{fused}.{suffix}",
-                            unit=unit,
-                            dtype=dtype,
-                            slot_dims=slot_dims,
-                            item_shape=mode_of_counts(shapes[code]),
-                            labels={
-                                "kind": "experts",
-                                "layer": str(layer),
-                                "group": group,
-                                "projection": fused,
-                                "suffix": suffix,
-                                "layout": rule.layout,
-                            },
-                        )
-                    )
-                    code += 1
 
 
-def _positions_by_layer(layers: list[int]) -> dict[int, range | list[int]]:
-    """Each layer's positions in ``layers``, in order; a checkpoint lists a layer's tensors
-    together, so each layer is found as one run, without a step per tensor."""
-    n = len(layers)
-    if not n:
-        return {}
-    starts = [0, *itertools.compress(range(1, n), map(operator.ne, layers[1:], layers)), n]
-    runs = list(zip(starts, starts[1:], strict=False))
-    if len({layers[a] for a, _ in runs}) == len(runs):
-        return {layers[a]: range(a, b) for a, b in runs}
-    found: dict[int, list[int]] = defaultdict(list)
-    for position, layer in enumerate(layers):
-        found[layer].append(position)
-    return dict(found)
+def _add_routes(
+    columns: dict[str, list[Any]],
+    spec: SlabSpec,
+    entries: list[tuple[tuple[int, ...], _Expert]],
+    layer: int,
+    suffix: str,
+) -> None:
+    """The routes into one slab, appended to ``columns``: the general path's routes a
+    column at a time (see frozen_columns), as a large MoE checkpoint holds hundreds of
+    thousands of expert tensors, a Route each."""
+    # Row-major slot offsets; every slot lies in the slab by construction (the partition
+    # placed it), and plan() checks each offset again.
+    stride, width = spec.slot_nbytes, spec.slot_dims[-1]
+    slots = [slot for slot, _ in entries]
+    infos = [t.info for _, t in entries]
+    n = len(entries)
+    columns["tensor"] += map(NAME, infos)
+    columns["file"] += map(FILE, infos)
+    columns["src_offset"] += map(OFFSET, infos)
+    columns["nbytes"] += map(NBYTES, infos)
+    columns["slab"] += [spec.name] * n
+    columns["slot"] += slots
+    columns["dst_offset"] += [
+        (s[0] * width + s[1] if len(s) == 2 else s[0]) * stride for s in slots
+    ]
+    columns["unit"] += [spec.unit] * n
+    columns["layer"] += [layer] * n
+    columns["expert"] += [t.expert for _, t in entries]
+    columns["shard"] += [t.proj for _, t in entries]
+    columns["suffix"] += [suffix] * n

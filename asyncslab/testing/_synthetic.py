@@ -435,6 +435,33 @@ def _write_shard(job: tuple[str, SyntheticSpec, int, int]) -> int:
     return _save_shard(path, spec, entries[cuts[index] : cuts[index + 1]])
 
 
+def _write_shards(
+    root: Path,
+    spec: SyntheticSpec,
+    entries: Sequence[_Entry],
+    cuts: Sequence[int],
+    names: Sequence[str],
+    workers: int,
+) -> int:
+    """Every shard written (shard ``i``: ``entries[cuts[i]:cuts[i + 1]]``), ``workers`` at
+    once; the bytes written."""
+    if workers <= 1:
+        # One shard at a time, each dropped before the next is built: peak memory stays
+        # one shard.
+        return sum(
+            _save_shard(root / name, spec, entries[start:stop])
+            for name, start, stop in zip(names, cuts, cuts[1:], strict=False)
+        )
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    jobs = [(str(root), spec, i, threads) for i in range(spec.n_shards)]
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return sum(pool.map(_write_shard, jobs))
+
+
 def write_synthetic(
     directory: str | os.PathLike[str],
     spec: SyntheticSpec = SyntheticSpec(),
@@ -456,22 +483,7 @@ def write_synthetic(
     cuts = _shard_cuts(entries, spec.n_shards) + [len(entries)]
     names = _shard_names(spec.n_shards)
 
-    if workers <= 1:
-        # One shard at a time, each dropped before the next is built: peak memory stays
-        # one shard.
-        total = sum(
-            _save_shard(root / name, spec, entries[start:stop])
-            for name, start, stop in zip(names, cuts, cuts[1:], strict=False)
-        )
-    else:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        jobs = [(str(root), spec, i, threads) for i in range(spec.n_shards)]
-        import concurrent.futures
-        import multiprocessing
-
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            total = sum(pool.map(_write_shard, jobs))
+    total = _write_shards(root, spec, entries, cuts, names, workers)
     files = [root / name for name in names]
     weight_map = {
         e.name: names[i] for i in range(spec.n_shards) for e in entries[cuts[i] : cuts[i + 1]]
@@ -586,7 +598,6 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
 
     tiers = sorted(set(overrides.get("bits", SyntheticSpec.__dataclass_fields__["bits"].default)))
     shapes = _Shapes(overrides, tiers)
-    min_layers = shapes.min_layers
     chosen = _RUNGS[0]
     for rung in reversed(_RUNGS):
         _, per_layer = shapes.per_moe_layer(rung, overrides.get("n_experts", rung[2]))
@@ -594,6 +605,31 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
             chosen = rung
             break
 
+    candidates = _candidates(shapes, chosen, tiers, total_bytes, overrides)
+    # Keep the rung's (round, model-like) expert count unless moving it buys real accuracy.
+    close = [c for c in candidates if c[0] <= 0.02 * total_bytes]
+    spec = (
+        min(close, key=lambda c: (c[1], c[0]))[2]
+        if close
+        else min(candidates, key=lambda c: (c[0], c[1]))[2]
+    )
+
+    exact = payload_bytes(spec)
+    n_shards = overrides.get("n_shards", max(3, math.ceil(exact / _MAX_SHARD_BYTES)))
+    fill = overrides.get("fill", "pattern" if total_bytes > _PATTERN_ABOVE else "random")
+    return replace(spec, n_shards=n_shards, fill=fill)
+
+
+def _candidates(
+    shapes: _Shapes,
+    chosen: tuple[int, int, int, int],
+    tiers: Sequence[int],
+    total_bytes: int,
+    overrides: Mapping[str, Any],
+) -> list[tuple[float, int, SyntheticSpec]]:
+    """Specs of rung ``chosen`` around ``total_bytes``, each with its error in bytes and
+    how far its expert count moved from the rung's."""
+    min_layers = shapes.min_layers
     base_experts = overrides.get("n_experts", chosen[2])
     if "n_experts" in overrides:
         expert_range = [base_experts]
@@ -613,15 +649,4 @@ def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
             s = shapes.make(chosen, n_layers, n_experts)
             error = abs(shapes.estimate(s) - total_bytes)
             candidates.append((error, abs(n_experts - base_experts), s))
-    # Keep the rung's (round, model-like) expert count unless moving it buys real accuracy.
-    close = [c for c in candidates if c[0] <= 0.02 * total_bytes]
-    spec = (
-        min(close, key=lambda c: (c[1], c[0]))[2]
-        if close
-        else min(candidates, key=lambda c: (c[0], c[1]))[2]
-    )
-
-    exact = payload_bytes(spec)
-    n_shards = overrides.get("n_shards", max(3, math.ceil(exact / _MAX_SHARD_BYTES)))
-    fill = overrides.get("fill", "pattern" if total_bytes > _PATTERN_ABOVE else "random")
-    return replace(spec, n_shards=n_shards, fill=fill)
+    return candidates

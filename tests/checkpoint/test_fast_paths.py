@@ -39,7 +39,8 @@ from asyncslab._heap import frozen_columns
 from asyncslab.checkpoint._header_parse import _ITEMSIZE, parse_compact, parse_general
 from asyncslab.checkpoint._index import _parse_index, _weight_map_compact
 from asyncslab.errors import CoverageError, DtypeMismatchError, IndexFileError
-from asyncslab.planning._plan import _valid, _validate
+from asyncslab.planning._checks import routes_valid as _valid
+from asyncslab.planning._checks import validate_routes as _validate
 from asyncslab.planning._vocabulary import Route, make_route, unit_of_layer
 from asyncslab.rules import Claim, SlabSpec
 from asyncslab.testing import SyntheticSpec, write_synthetic

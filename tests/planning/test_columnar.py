@@ -205,11 +205,11 @@ def test_merged_runs_list_sorted_columns_in_order(columns: list[list[int]]) -> N
 def test_names_matched_in_chunks_plan_as_at_once(
     moe: SyntheticCheckpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncslab.planning import _moe
+    from asyncslab.planning import _moe_columnar
 
     ck = Checkpoint.open(moe.root)
     whole = plan(ck, tier_map=moe.tier_map_path)
-    monkeypatch.setattr(_moe, "_CHUNK", 7)  # chunks that cut experts and layers apart
+    monkeypatch.setattr(_moe_columnar, "_CHUNK", 7)  # chunks that cut experts and layers apart
     chunked = plan(ck, tier_map=moe.tier_map_path)
     assert isinstance(chunked.routes, RouteTable)
     assert chunked == whole
