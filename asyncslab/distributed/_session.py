@@ -21,15 +21,16 @@ fail after the process group's timeout (``init_process_group(timeout=...)``). Ei
 :func:`load` raises :class:`DistributedLoadError`, and the process group must not be used
 again (destroy it, or exit).
 
-A shared load is a :class:`~asyncslab.loading._load.Load` begun by
-``loading._slabs.begin_shared``: the chunks' bytes land through its sink, and it finishes
-like a local load, so the slabs fill, gate and report alike. The chunk list, this rank's
-chunk reader and the landing index live in ``_chunks``; where the reader's bytes come from
-(the shards' files, or objects by ranged GETs pinned to their ETags), in ``_sources``; the
-pass that moves the chunks, in ``_shared_pass``; the collectives and the protocol thread's
-calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here: the pre-flight,
-the agreement, and the load's owner. A checkpoint in object storage needs nothing else
-here: without ``share_reads`` each rank's ordinary load fetches its plan's ranges.
+A shared load is a :class:`~asyncslab.loading._load.Load` begun through the slabs' loads
+(:meth:`~asyncslab.loading._loads.Loads.begin_shared`): the chunks' bytes land through its
+sink, and it finishes like a local load, so the slabs fill, gate and report alike. The chunk
+list, this rank's chunk reader and the landing index live in ``_chunks``; where the reader's
+bytes come from (the shards' files, or objects by ranged GETs pinned to their ETags), in
+``_sources``; the pass that moves the chunks, in ``_shared_pass``; the collectives and the
+protocol thread's calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here:
+the pre-flight, the agreement, and the load's owner. A checkpoint in object storage needs
+nothing else here: without ``share_reads`` each rank's ordinary load fetches its plan's
+ranges.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from ..errors import (
     DistributedLoadError,
     LoadError,
 )
-from ..loading import Load, LoadOptions, SlabSet, begin_shared, is_closed, settled, void
+from ..loading import Load, LoadOptions, SlabSet
 from ..planning import Plan
 from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
@@ -244,7 +245,7 @@ class _Session:
             if self.share:
                 hello["ranges"] = pack_ranges(needed_ranges(self.plan))
                 # Bytes arrive in the group's chunks ("shared"), landed here.
-                self.load = begin_shared(self.slabs, self.checkpoint, self.plan, self.options)
+                self.load = self.slabs.loads.begin_shared(self.checkpoint, self.plan, self.options)
                 self.source = open_source(self.plan, self.options)
         except Exception as err:
             self.local_error = err
@@ -540,7 +541,7 @@ async def load(
         raise LoadError("this process is not a member of the given process group")
     options = options or LoadOptions()
     if into is not None:
-        await settled(into)  # one of these slabs may still be releasing
+        await into.loads.settled()  # one of these slabs may still be releasing
     session = _Session(
         checkpoint,
         plan,
@@ -666,7 +667,7 @@ async def _release(session: _Session, owned: bool) -> None:
         pass  # its allocation failed: nothing to free
     elif owned:
         await slabs.aclose()
-    elif is_closed(slabs):
+    elif slabs.loads.closed:
         pass  # closed by its owner meanwhile: nothing is handed out
     elif slabs.state == "complete":
         slabs.reset()
@@ -674,7 +675,7 @@ async def _release(session: _Session, owned: bool) -> None:
         # Failed or cancelled: the tracker keeps the units that completed before the break,
         # and slab() would hand them out on this rank alone. Keep the error (ready() raises
         # with it) but no completed unit.
-        void(slabs)
+        slabs.loads.void()
     if not session.abandoned:
         # The protocol's threads are done with the slabs; their frames, in the error's
         # traceback, may keep the session: it lets go of the slabs (and of the load, whose
