@@ -39,12 +39,14 @@ async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
     for route in plan.routes:
         by_file[route.file].append(route)
 
-    view = byte_view(slabs._backing.data_ptr(), slabs._backing.numel())
+    sink = slabs.loads.current.sink  # where each route lands: the backing, an offset
+    assert sink.backing is not None
+    view = byte_view(sink.backing.data_ptr(), sink.backing.numel())
 
     async def one_file(path: Path, routes: list[asyncslab.rules.Route]) -> None:
         async with aiofiles.open(path, "rb", buffering=0) as f:
             for r in routes:
-                start = slabs._route_base[plan._index[r.tensor]] + r.dst_offset
+                start = sink.route_base[plan._index[r.tensor]] + r.dst_offset
                 await f.seek(r.src_offset)
                 await f.readinto(view[start : start + r.nbytes])
 
@@ -56,7 +58,9 @@ async def via_aiofiles(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
 async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet) -> None:
     sched = schedule(plan, max_read=16 << 20, gap=64 << 10)
     bounce = bytearray(16 << 20)
-    backing = slabs._backing
+    sink = slabs.loads.current.sink
+    backing = sink.backing
+    assert backing is not None
     handles = {i: await aiofiles.open(f.path, "rb", buffering=0) for i, f in enumerate(plan.files)}
     try:
         for op in sched.ops:
@@ -66,7 +70,7 @@ async def via_aiofiles_coalesced(plan: asyncslab.Plan, slabs: asyncslab.SlabSet)
             await f.readinto(view)
             src = torch.frombuffer(bounce, dtype=torch.uint8, count=op.nbytes)
             for route, read_offset, dst_offset, nbytes in op.pieces:
-                start = slabs._route_base[route] + dst_offset
+                start = sink.route_base[route] + dst_offset
                 backing[start : start + nbytes].copy_(src[read_offset : read_offset + nbytes])
     finally:
         for f in handles.values():
@@ -83,7 +87,9 @@ async def main() -> None:
         ckpt = asyncslab.Checkpoint.open(d)
         plan = asyncslab.plan(ckpt)
         slabs = asyncslab.SlabSet(plan)
-        slabs._backing.fill_(1)  # pre-touched: measure the reads, not page faults
+        backing = slabs.loads.current.sink.backing
+        assert backing is not None
+        backing.fill_(1)  # pre-touched: measure the reads, not page faults
         await slabs.load(ckpt)  # warms the page cache
         times: dict[str, list[float]] = defaultdict(list)
         for _ in range(args.runs):

@@ -47,7 +47,7 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
 def assert_bit_identical(slabs: asyncslab.SlabSet, checkpoint: asyncslab.Checkpoint) -> int:
     """Every tensor of the last load's plan equals, in its slot, what the safetensors library
     reads from ``checkpoint``; returns the count."""
-    run_plan = slabs._run_plan  # the last load's: its files, its tensors
+    run_plan = slabs.loads.current.plan  # the last load's: its files, its tensors
     assert [f.path for f in run_plan.files] == [f.path for f in checkpoint.files]
     result = verify_slabs(run_plan, slabs)
     assert result.ok, result.describe()
@@ -117,7 +117,7 @@ def slow_reads(monkeypatch: pytest.MonkeyPatch, delay: float) -> threading.Event
 
 def staging_released(slabs: asyncslab.SlabSet) -> bool:
     """The last load's staging buffers were dropped (its transfer holds none any more)."""
-    strategy = slabs._load.strategy
+    strategy = slabs.loads.current.strategy
     staging = strategy.staging() if strategy is not None else None
     return staging is None or staging.buffers == 0
 

@@ -21,15 +21,16 @@ fail after the process group's timeout (``init_process_group(timeout=...)``). Ei
 :func:`load` raises :class:`DistributedLoadError`, and the process group must not be used
 again (destroy it, or exit).
 
-A shared load is a :class:`~asyncslab.loading._load.Load` begun by
-``loading._slabs.begin_shared``: the chunks' bytes land through its sink, and it finishes
-like a local load, so the slabs fill, gate and report alike. The chunk list, this rank's
-chunk reader and the landing index live in ``_chunks``; where the reader's bytes come from
-(the shards' files, or objects by ranged GETs pinned to their ETags), in ``_sources``; the
-pass that moves the chunks, in ``_shared_pass``; the collectives and the protocol thread's
-calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here: the pre-flight,
-the agreement, and the load's owner. A checkpoint in object storage needs nothing else
-here: without ``share_reads`` each rank's ordinary load fetches its plan's ranges.
+A shared load is a :class:`~asyncslab.loading._load.Load` begun through the slabs' loads
+(:meth:`~asyncslab.loading._loads.Loads.begin_shared`): the chunks' bytes land through its
+sink, and it finishes like a local load, so the slabs fill, gate and report alike. The chunk
+list, this rank's chunk reader and the landing index live in ``_chunks``; where the reader's
+bytes come from (the shards' files, or objects by ranged GETs pinned to their ETags), in
+``_sources``; the pass that moves the chunks, in ``_shared_pass``; the collectives and the
+protocol thread's calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here:
+the pre-flight, the agreement, and the load's owner. A checkpoint in object storage needs
+nothing else here: without ``share_reads`` each rank's ordinary load fetches its plan's
+ranges.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from ..errors import (
     DistributedLoadError,
     LoadError,
 )
-from ..loading import Load, LoadOptions, SlabSet, begin_shared, is_closed, settled, void
+from ..loading import Load, LoadOptions, SlabSet
 from ..planning import Plan
 from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
@@ -171,6 +172,7 @@ class _Session:
         self.plan = plan
         # Allocated in prepare() unless given: its failure must travel in the pre-flight.
         self._slabs = into
+        self.owned = into is None  # freed, not reset, if the load fails
         self.device = device
         self.group = group
         self.share = share_reads
@@ -244,7 +246,7 @@ class _Session:
             if self.share:
                 hello["ranges"] = pack_ranges(needed_ranges(self.plan))
                 # Bytes arrive in the group's chunks ("shared"), landed here.
-                self.load = begin_shared(self.slabs, self.checkpoint, self.plan, self.options)
+                self.load = self.slabs.loads.begin_shared(self.checkpoint, self.plan, self.options)
                 self.source = open_source(self.plan, self.options)
         except Exception as err:
             self.local_error = err
@@ -277,6 +279,45 @@ class _Session:
         if source is not None:
             source.close()
 
+    async def local_settled(self) -> None:
+        """This rank's own load (without ``share_reads``) cancelled, and ended."""
+        task = self.local_task
+        if task is not None and not task.done():
+            task.cancel()
+            # Its outcome is reported elsewhere; wait() does not raise it (but lets our own
+            # cancellation through).
+            await asyncio.wait([task])
+
+    async def release(self) -> None:
+        """After a failed distributed load: no slab of this rank stays usable."""
+        await self.local_settled()
+        slabs = self._slabs
+        if self.load is not None and self.load.state == "loading":
+            self.load.finish("failed", LoadError("distributed load failed"))
+        if not self.abandoned:
+            # Only left open when the protocol thread never ran; an abandoned one closes its
+            # own.
+            self._close_source()
+        if slabs is None:
+            pass  # its allocation failed: nothing to free
+        elif self.owned:
+            await slabs.aclose()
+        elif slabs.loads.closed:
+            pass  # closed by its owner meanwhile: nothing is handed out
+        elif slabs.state == "complete":
+            slabs.reset()
+        elif slabs.state in ("failed", "cancelled"):
+            # Failed or cancelled: the tracker keeps the units that completed before the
+            # break, and slab() would hand them out on this rank alone. Keep the error
+            # (ready() raises with it) but no completed unit.
+            slabs.loads.void()
+        if not self.abandoned:
+            # The protocol's threads are done with the slabs; their frames, in the error's
+            # traceback, may keep the session: it lets go of the slabs (and of the load,
+            # whose sink holds their memory).
+            self._slabs = None
+            self.load = None
+
     # -- protocol thread --
 
     def protocol(self, hello: dict[str, Any]) -> tuple[str, Any]:
@@ -289,14 +330,14 @@ class _Session:
             hellos = self.gather(hello, "pre-flight")
             problems = _check_hellos(hellos, self.world)
             if problems:
-                return "error", self._error(problems, "ranks disagree before loading")
+                return "error", _ranks_failed(self, problems, "ranks disagree before loading")
             if any(h["error"] for h in hellos):
                 failed = {h["rank"]: h["error"] for h in hellos if h["error"]}
-                return "error", self._error(failed, "before loading")
+                return "error", _ranks_failed(self, failed, "before loading")
             if self.share:
                 failed = SharedPass(self).run(hellos)
                 if failed:
-                    return "error", self._error(failed, "before the first shared chunk")
+                    return "error", _ranks_failed(self, failed, "before the first shared chunk")
             else:
                 self._independent()
             reports = self.gather(self._final(), "agreement")
@@ -310,49 +351,15 @@ class _Session:
                 if aborted:  # cannot happen: an abort always follows someone's failure
                     failed = {r: "stopped without a failing rank" for r in aborted}
             if failed:
-                return "error", self._error(failed, None)
+                return "error", _ranks_failed(self, failed, None)
             return "ok", reports
         except CollectiveFailed as err:
-            return "error", self._lost(err)
+            return "error", _lost(self, err)
         finally:
             self._close_source()
 
     def gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
         return gather(self.group, self.world, obj, step)
-
-    def _error(self, failed: Mapping[int, str], context: str | None) -> DistributedLoadError:
-        ranks = sorted(failed)
-        if len(ranks) == 1:
-            r = ranks[0]
-            text = f"distributed load failed on rank {r} of {self.world}: {failed[r]}"
-        else:
-            listed = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
-            text = (
-                f"distributed load failed on ranks {', '.join(map(str, ranks))} of "
-                f"{self.world}: {listed}"
-            )
-        if context is not None:
-            text = f"{text} ({context})"
-        err = DistributedLoadError(
-            text, ranks=tuple(ranks), errors=dict(failed), rank=self.rank, world=self.world
-        )
-        if self.rank in failed and self.local_error is not None:
-            err.__cause__ = self.local_error
-        return err
-
-    def _lost(self, failure: CollectiveFailed) -> DistributedLoadError:
-        err = DistributedLoadError(
-            f"{self.where()}: the {failure.step} collective failed — another rank died, hung "
-            "longer than the process group's timeout, or left the group; the process group "
-            f"is unusable now ({describe(failure.error)})",
-            ranks=(),
-            errors={},
-            rank=self.rank,
-            world=self.world,
-            step=failure.step,
-        )
-        err.__cause__ = failure.error
-        return err
 
     def in_loop(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the event loop (after everything queued before it) and return its
@@ -421,6 +428,45 @@ class _Session:
             "elapsed_s": time.perf_counter() - self.started,
             "peak_rss": peak_rss() or 0,
         }
+
+
+def _ranks_failed(
+    session: _Session, failed: Mapping[int, str], context: str | None
+) -> DistributedLoadError:
+    """The error every rank raises when the ranks of ``failed`` did, with their errors;
+    ``context``: when."""
+    world, rank = session.world, session.rank
+    ranks = sorted(failed)
+    if len(ranks) == 1:
+        r = ranks[0]
+        text = f"distributed load failed on rank {r} of {world}: {failed[r]}"
+    else:
+        listed = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
+        text = f"distributed load failed on ranks {', '.join(map(str, ranks))} of {world}: {listed}"
+    if context is not None:
+        text = f"{text} ({context})"
+    err = DistributedLoadError(
+        text, ranks=tuple(ranks), errors=dict(failed), rank=rank, world=world
+    )
+    if rank in failed and session.local_error is not None:
+        err.__cause__ = session.local_error
+    return err
+
+
+def _lost(session: _Session, failure: CollectiveFailed) -> DistributedLoadError:
+    """The error a rank raises when a collective failed under it (the group is lost)."""
+    err = DistributedLoadError(
+        f"{session.where()}: the {failure.step} collective failed — another rank died, hung "
+        "longer than the process group's timeout, or left the group; the process group "
+        f"is unusable now ({describe(failure.error)})",
+        ranks=(),
+        errors={},
+        rank=session.rank,
+        world=session.world,
+        step=failure.step,
+    )
+    err.__cause__ = failure.error
+    return err
 
 
 def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str]:
@@ -534,13 +580,10 @@ async def load(
     timeout bounds every wait — a dead rank fails the others at once, a hung one after
     that timeout.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise LoadError("torch.distributed is not initialized; call init_process_group first")
-    if dist.get_rank(group) < 0:
-        raise LoadError("this process is not a member of the given process group")
+    _check_group(group)
     options = options or LoadOptions()
     if into is not None:
-        await settled(into)  # one of these slabs may still be releasing
+        await into.loads.settled()  # one of these slabs may still be releasing
     session = _Session(
         checkpoint,
         plan,
@@ -551,17 +594,37 @@ async def load(
         options=options,
         chunk_bytes=chunk_bytes,
     )
+    # This frame lies in a failed load's traceback: only the session, which lets go of
+    # the slabs when the load fails (see _Session.release), may hold them.
+    del into
+    try:
+        return await _agreed(session, timeout)
+    finally:
+        del session
+
+
+def _check_group(group: Any) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LoadError("torch.distributed is not initialized; call init_process_group first")
+    if dist.get_rank(group) < 0:
+        raise LoadError("this process is not a member of the given process group")
+
+
+async def _agreed(
+    session: _Session,
+    timeout: float | None,  # noqa: ASYNC109 - see load()
+) -> DistributedLoad:
+    """The load every rank agreed on; else, this rank's slabs released, the error."""
     try:
         hello = session.prepare()
-        verdict = await _drive(session, hello, timeout)
+        kind, value = await _drive(session, hello, timeout)
     except BaseException:
-        await _release(session, into is None)
-        del session, into  # this frame lies in the error's traceback (see _release)
+        await session.release()
+        del session  # this frame lies in the error's traceback (see _Session.release)
         raise
-    kind, value = verdict
     if kind == "error":
-        await _release(session, into is None)
-        del session, into
+        await session.release()
+        del session
         raise value
     return _completed(session, value)
 
@@ -619,7 +682,7 @@ async def _drive(
         if waiter.done():  # finished as the deadline passed
             return waiter.result()
         session.abort(f"timed out after {timeout} s")
-        await _local_settled(session)
+        await session.local_settled()
         session.abandoned = True
         # Nothing more will land: close out the slabs' state so waiters wake.
         if session.load is not None and session.load.state == "loading":
@@ -642,42 +705,3 @@ async def _drive(
             except asyncio.CancelledError:
                 continue
         raise
-
-
-async def _local_settled(session: _Session) -> None:
-    task = session.local_task
-    if task is not None and not task.done():
-        task.cancel()
-        # Its outcome is reported elsewhere; wait() does not raise it (but lets our own
-        # cancellation through).
-        await asyncio.wait([task])
-
-
-async def _release(session: _Session, owned: bool) -> None:
-    """After a failed distributed load: no slab of this rank stays usable."""
-    await _local_settled(session)
-    slabs = session._slabs
-    if session.load is not None and session.load.state == "loading":
-        session.load.finish("failed", LoadError("distributed load failed"))
-    if not session.abandoned:
-        # Only left open when the protocol thread never ran; an abandoned one closes its own.
-        session._close_source()
-    if slabs is None:
-        pass  # its allocation failed: nothing to free
-    elif owned:
-        await slabs.aclose()
-    elif is_closed(slabs):
-        pass  # closed by its owner meanwhile: nothing is handed out
-    elif slabs.state == "complete":
-        slabs.reset()
-    elif slabs.state in ("failed", "cancelled"):
-        # Failed or cancelled: the tracker keeps the units that completed before the break,
-        # and slab() would hand them out on this rank alone. Keep the error (ready() raises
-        # with it) but no completed unit.
-        void(slabs)
-    if not session.abandoned:
-        # The protocol's threads are done with the slabs; their frames, in the error's
-        # traceback, may keep the session: it lets go of the slabs (and of the load, whose
-        # sink holds their memory).
-        session._slabs = None
-        session.load = None

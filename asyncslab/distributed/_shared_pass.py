@@ -71,82 +71,110 @@ class SharedPass:
 
     def __init__(self, side: RankSide) -> None:
         self._side = side
+        # Set up by _set_up: the group's chunks, the staging buffers the owner reads into
+        # and those the broadcasts go through, this rank's routes by file, its reader.
+        self._chunks: list[Chunk] = []
+        self._host: list[torch.Tensor] = []
+        self._comm: list[torch.Tensor] = []
+        self._routes: RouteIndex | None = None
+        self._reader: ChunkReader | None = None
 
     def run(self, hellos: Sequence[dict[str, Any]]) -> dict[int, str]:
         """The pass. Returns the ranks whose set-up failed, with their errors (the same on
         every rank; no chunk was exchanged then), else ``{}``."""
         side = self._side
-        rank, nbuf = side.rank, BUFFERS
-        chunks: list[Chunk] = []
-        host: list[torch.Tensor] = []
-        comm = host
-        routes: RouteIndex | None = None
-        reader: ChunkReader | None = None
-        setup_error: Exception | None = None
         try:
+            setup_error: Exception | None = None
             try:
-                # A chunk's broadcast is its payload and a status byte, chunk_bytes in all:
-                # a power of two fills the pinned block torch makes of it (a payload of
-                # 16 MiB and its byte took 32 MiB pinned, see pinned_bytes).
-                chunks = share_chunks(
-                    [unpack_ranges(h["ranges"]) for h in hellos],
-                    chunk_bytes=max(1, side.chunk_bytes - 1),
-                    gap=side.options.coalesce_gap,
-                )
-                relevant = [c for c in chunks if c.shared or c.owner == rank]
-                size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
-                host, comm = self._buffers(size)
-                assert side.load is not None
-                routes = RouteIndex(side.plan, side.load.sink)
-                assert side.source is not None  # opened with the load, before the pre-flight
-                reader = ChunkReader(
-                    chunks,
-                    rank,
-                    host,
-                    nbuf,
-                    side.source,
-                    failing=side.failing,
-                    aborted=lambda: side.abort_reason is not None,
-                )
-                reader.start()
+                self._set_up(hellos)
             except Exception as err:
                 setup_error = side.local_error = err
-            # A rank whose set-up failed cannot take part in the chunks (it may lack the
-            # buffers to receive them, and it may own none to stop the group at), and its
-            # peers would wait for it in the first one until the group's timeout: every
-            # rank learns of it here, before any chunk.
-            error = None if setup_error is None else describe(setup_error)
-            setups = side.gather({"rank": rank, "error": error}, "set-up")
-            failed: dict[int, str] = {s["rank"]: s["error"] for s in setups if s["error"]}
-            if failed or routes is None or reader is None:  # only where the set-up failed
-                if rank not in failed:
-                    side.stopped_by = min(failed)
+            failed = self._agree_set_up(setup_error)
+            if failed:
                 return failed
-            # Zero-byte routes lie in no chunk: they land now, as the loader lands them
-            # without a read (else their units never complete). Queued before any chunk's
-            # landing.
-            try:
-                side.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
-            except RuntimeError:  # the loop is closed
-                side.loop_gone()
-            for k, chunk in enumerate(chunks):
-                if chunk.shared or chunk.owner == rank:
-                    read = reader.take(k) if chunk.owner == rank else None
-                    if self._chunk(k, chunk, read, host[k % nbuf], comm[k % nbuf], routes):
-                        break
-                reader.advance(k)
+            self._exchange()
             return {}
         finally:
-            if reader is not None:
-                # Aborted with a read still in flight (it may never return), the reader
-                # keeps its source and buffers and this goes on to the agreement.
-                if reader.finish():
-                    side.source = None
-                side.bytes_read, side.reads = reader.bytes_read, reader.reads
-            try:
-                side.in_loop(self._settle)
-            except Abandoned:
-                side.loop_gone()
+            self._finish()
+
+    def _set_up(self, hellos: Sequence[dict[str, Any]]) -> None:
+        """The chunk list (the same on every rank), the staging buffers, the route index,
+        and the reader, started."""
+        side = self._side
+        # A chunk's broadcast is its payload and a status byte, chunk_bytes in all: a power
+        # of two fills the pinned block torch makes of it (a payload of 16 MiB and its byte
+        # took 32 MiB pinned, see pinned_bytes).
+        self._chunks = chunks = share_chunks(
+            [unpack_ranges(h["ranges"]) for h in hellos],
+            chunk_bytes=max(1, side.chunk_bytes - 1),
+            gap=side.options.coalesce_gap,
+        )
+        relevant = [c for c in chunks if c.shared or c.owner == side.rank]
+        size = max((c.nbytes for c in relevant), default=0) + 1  # + the status byte
+        self._host, self._comm = self._buffers(size)
+        assert side.load is not None
+        self._routes = RouteIndex(side.plan, side.load.sink)
+        assert side.source is not None  # opened with the load, before the pre-flight
+        self._reader = ChunkReader(
+            chunks,
+            side.rank,
+            self._host,
+            BUFFERS,
+            side.source,
+            failing=side.failing,
+            aborted=lambda: side.abort_reason is not None,
+        )
+        self._reader.start()
+
+    def _agree_set_up(self, error: Exception | None) -> dict[int, str]:
+        """The set-up exchange: the ranks whose set-up failed, with their errors. A rank
+        whose set-up failed cannot take part in the chunks (it may lack the buffers to
+        receive them, and it may own none to stop the group at), and its peers would wait
+        for it in the first one until the group's timeout: every rank learns of it here,
+        before any chunk."""
+        side = self._side
+        described = None if error is None else describe(error)
+        setups = side.gather({"rank": side.rank, "error": described}, "set-up")
+        failed: dict[int, str] = {s["rank"]: s["error"] for s in setups if s["error"]}
+        if failed and side.rank not in failed:
+            side.stopped_by = min(failed)
+        return failed
+
+    def _exchange(self) -> None:
+        """Every chunk in the group's order: the ones this rank reads or receives, until
+        the end or a chunk the whole group stops at."""
+        side, rank, nbuf = self._side, self._side.rank, BUFFERS
+        routes, reader = self._routes, self._reader
+        # The set-up succeeded.
+        assert routes is not None
+        assert reader is not None
+        # Zero-byte routes lie in no chunk: they land now, as the loader lands them without
+        # a read (else their units never complete). Queued before any chunk's landing.
+        try:
+            side.loop.call_soon_threadsafe(self._begin_landing, routes.empty)
+        except RuntimeError:  # the loop is closed
+            side.loop_gone()
+        for k, chunk in enumerate(self._chunks):
+            if chunk.shared or chunk.owner == rank:
+                read = reader.take(k) if chunk.owner == rank else None
+                host, comm = self._host[k % nbuf], self._comm[k % nbuf]
+                if self._chunk(k, chunk, read, host, comm, routes):
+                    break
+            reader.advance(k)
+
+    def _finish(self) -> None:
+        """The reader stopped, its figures kept, and the load ended on the loop."""
+        side, reader = self._side, self._reader
+        if reader is not None:
+            # Aborted with a read still in flight (it may never return), the reader keeps
+            # its source and buffers and this goes on to the agreement.
+            if reader.finish():
+                side.source = None
+            side.bytes_read, side.reads = reader.bytes_read, reader.reads
+        try:
+            side.in_loop(self._settle)
+        except Abandoned:
+            side.loop_gone()
 
     def _buffers(self, size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The :data:`BUFFERS` staging buffers of ``size`` bytes the owner reads into (pinned

@@ -340,7 +340,7 @@ def _view(whole: torch.Tensor, info: TensorInfo) -> torch.Tensor:
 
 def _layout(sizes: Sequence[tuple[str, int]]) -> tuple[dict[str, int], int]:
     """Each slab's offset in one window's memory, 64-byte aligned as
-    :func:`~asyncslab.loading._slabs.slab_layout` lays slabs out, and the bytes needed."""
+    :func:`~asyncslab.loading._memory.slab_layout` lays slabs out, and the bytes needed."""
     offsets: dict[str, int] = {}
     total = 0
     for name, nbytes in sizes:

@@ -1,6 +1,10 @@
 """The loading stage: the read schedule, positional reads, transfer strategies, the sink,
 the tracker, the slabs.
 
+A load that moves its bytes itself (the distributed load's shared reads) drives one
+through :class:`Loads` (``SlabSet.loads``): ``settled()``, ``begin_shared()``, ``closed``,
+``void()``; the :class:`Load` it is handed lands bytes and ends as any other.
+
 Internal. What other stages use is imported from here, never from the private modules;
 the public names are re-exported by ``asyncslab`` and its public modules."""
 
@@ -9,6 +13,8 @@ from ._copy import host_copy as host_copy
 from ._load import Load as Load
 from ._load import map_checked as map_checked
 from ._load import open_checked as open_checked
+from ._loads import Loads as Loads
+from ._memory import slab_layout as slab_layout
 from ._options import LoadOptions as LoadOptions
 from ._options import LoadStatistics as LoadStatistics
 from ._options import ProgressCallback as ProgressCallback
@@ -21,12 +27,7 @@ from ._read import scatter as scatter
 from ._schedule import schedule as schedule
 from ._sink import Sink as Sink
 from ._slabs import SlabSet as SlabSet
-from ._slabs import begin_shared as begin_shared
-from ._slabs import is_closed as is_closed
 from ._slabs import load as load
-from ._slabs import settled as settled
-from ._slabs import slab_layout as slab_layout
-from ._slabs import void as void
 from ._strategy_mapped import PopulateRegistry as PopulateRegistry
 from ._strategy_remote import fetch as fetch
 from ._strategy_remote import fetch_into as fetch_into
@@ -39,19 +40,18 @@ from ._strategy_remote import store_of as store_of
 __all__ = [
     "Connections",
     "Load",
+    "Loads",
     "LoadOptions",
     "LoadStatistics",
     "PopulateRegistry",
     "ProgressCallback",
     "Sink",
     "SlabSet",
-    "begin_shared",
     "byte_view",
     "direct_scatters",
     "fetch",
     "fetch_into",
     "host_copy",
-    "is_closed",
     "load",
     "map_checked",
     "open_checked",
@@ -63,9 +63,7 @@ __all__ = [
     "response_tensor",
     "scatter",
     "schedule",
-    "settled",
     "signers_of",
     "slab_layout",
     "store_of",
-    "void",
 ]

@@ -4,7 +4,9 @@ A :class:`Load` owns one load's resources (fds, I/O threads, the transfer's stag
 buffers or mappings) and its counters, lands bytes through its :class:`~._sink.Sink`,
 and releases everything before :meth:`Load.run` returns or raises, also when cancelled
 (after waiting for reads already inside a thread). Every task it starts has one owner, a
-task group in :meth:`Load.run`; the first failure cancels the rest.
+task group in :meth:`Load.run`; the first failure cancels the rest. It runs start to end
+on its own: begun by the SlabSet's :class:`~._loads.Loads`, whose task running it is the
+one way it reports back (its end). The reads themselves are ``_read_pass``'s.
 
 The :class:`~._slabs.SlabSet` that made it keeps only what outlives a load: its memory,
 its tracker, and this object for its statistics. Nothing here holds the ``SlabSet``, so an
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import inspect
 import mmap
 import os
@@ -35,12 +36,12 @@ from ..errors import (
     IncompleteLoadError,
     LoadError,
     ReadError,
-    ReadTimeoutError,
 )
 from ..planning import Plan, route_column
 from ._options import LoadOptions, LoadStatistics, ProgressCallback, State, UnitCallback
-from ._read import IoPool, ReadFeed
-from ._schedule import ReadOp, Schedule
+from ._read import IoPool
+from ._read_pass import read_all, refuse_awaitable
+from ._schedule import Schedule
 from ._sink import Files, ReadOne, Reads, Sink, TransferStrategy
 from ._tracker import Tracker
 
@@ -55,8 +56,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 
 
 @dataclass(slots=True)
@@ -108,6 +107,8 @@ class Load:
         self._staging_live = False
         # A later load began (its state is the SlabSet's now): this one reports no more.
         self.superseded = False
+        # The unit callbacks running (aclose() must not be awaited from one).
+        self.callbacks: set[asyncio.Task[None]] = set()
 
     # --- the sink side, for whoever moves the bytes ------------------------------------
 
@@ -176,43 +177,27 @@ class Load:
 
     async def run(
         self,
-        slabs: Any,
-        before: Callable[[], Awaitable[None]],
+        earlier: list[asyncio.Task[Any]],
+        owner: object,
         on_unit_ready: UnitCallback | None,
         progress: ProgressCallback | None,
-        callbacks: set[asyncio.Task[None]],
     ) -> None:
-        """Every read of the plan into the sink, a unit callback per unit as it completes
-        (given ``slabs``), then the release. ``before`` runs first, inside the load (the
-        wait for an earlier load still releasing)."""
+        """The whole load, to its end: once the ``earlier`` loads still releasing have
+        ended, every read of the plan into the sink, a unit callback per unit as it
+        completes (given ``owner``, the SlabSet), the release, and the final progress call.
+        Raises what broke it, the load then ``failed`` or ``cancelled``."""
         strategy = self.strategy
         assert strategy is not None
-        options, sink = self.options, self.sink
-        device = sink.device
         # One thread per read in flight: a cold cache needs several reads in flight to keep
         # storage busy, even on a machine with fewer cores than that, and niced threads with
         # short syscalls (see _read) leave the event loop a core the moment it wakes
         # (test_io_threads_run_niced_and_the_loop_does_not).
-        pool = IoPool(strategy.workers, nice=options.io_nice)
+        pool = IoPool(strategy.workers, nice=self.options.io_nice)
         fds: dict[int, int] = {}
         loaded = False
         try:
-            await before()
-            reads, files = await self._open(pool, fds)
-            self._staging_live = True
-            read_one = strategy.open(reads, files, sink)
-            self.staging_budget = strategy.staging_budget
-            error = await self._read_and_call_back(
-                reads.schedule,
-                files.paths,
-                read_one,
-                pool,
-                slabs,
-                on_unit_ready,
-                progress,
-                callbacks,
-                device,
-            )
+            await self._after(earlier)
+            error = await self._transfer(pool, fds, owner, on_unit_ready, progress)
             if error is not None:
                 # Raised here, not in the handler that caught the task group's errors: as
                 # that group's context, the error would hold the group's frames, and they
@@ -247,10 +232,47 @@ class Load:
                 raise
             if not loaded:
                 self._report_end(progress)
+        self._complete(progress)
+
+    async def _after(self, earlier: list[asyncio.Task[Any]]) -> None:
+        """Wait for the earlier loads still releasing: a failed or cancelled load is
+        ``failed``/``cancelled`` (and a ready() caller may start the next) while its task
+        still drains its threads, and for up to ``read_timeout`` a stuck read may still
+        write into the slabs. Waited for even if cancelled meanwhile: aclose() must not
+        free the slabs under that read. Then refuse slabs that release found broken."""
+        running = [task for task in earlier if not task.done()]
+        earlier.clear()  # their errors' frames need not live as long as this load
+        if running:
+            await uncancellable(asyncio.wait(running))
+        if self.health.broken is not None:
+            raise LoadError(f"these slabs cannot be reused: {self.health.broken}")
+
+    async def _transfer(
+        self,
+        pool: IoPool,
+        fds: dict[int, int],
+        owner: object,
+        on_unit_ready: UnitCallback | None,
+        progress: ProgressCallback | None,
+    ) -> BaseException | None:
+        """Open the files and the transfer, then the reads and the unit callbacks; the
+        error that broke them."""
+        strategy = self.strategy
+        assert strategy is not None
+        reads, files = await self._open(pool, fds)
+        self._staging_live = True
+        read_one = strategy.open(reads, files, self.sink)
+        self.staging_budget = strategy.staging_budget
+        return await self._read_and_call_back(
+            reads.schedule, files.paths, read_one, pool, owner, on_unit_ready, progress
+        )
+
+    def _complete(self, progress: ProgressCallback | None) -> None:
+        """Every unit landed, everything released: complete, and the final progress call."""
         self.finish("complete")
         if progress is not None:
             try:
-                _refuse_awaitable(progress(self.statistics(device)), "progress")
+                refuse_awaitable(progress(self.statistics(self.sink.device)), "progress")
             except Exception as err:  # as one during the load: the load failed
                 raise self._failed(err) from err
 
@@ -290,7 +312,7 @@ class Load:
         if progress is None or self.superseded:
             return
         try:
-            _refuse_awaitable(progress(self.statistics(self.sink.device)), "progress")
+            refuse_awaitable(progress(self.statistics(self.sink.device)), "progress")
         except Exception:
             # The load has failed already, with the error that matters; a callback that
             # also fails to report it must not replace that error.
@@ -326,20 +348,19 @@ class Load:
         paths: Sequence[str],
         read_one: ReadOne,
         pool: IoPool,
-        slabs: Any,
+        owner: object,
         on_unit_ready: UnitCallback | None,
         progress: ProgressCallback | None,
-        callbacks: set[asyncio.Task[None]],
-        device: torch.device,
     ) -> BaseException | None:
         """The reads, and a unit callback per unit as it completes, in one task group; the
         error that broke them (the rest are its consequences: cancelled siblings)."""
+        callbacks = self.callbacks
         try:
             async with asyncio.TaskGroup() as tg:
 
                 def unit_done(unit: str) -> None:
                     if on_unit_ready is not None:
-                        task = tg.create_task(_callback(on_unit_ready, unit, slabs))
+                        task = tg.create_task(_callback(on_unit_ready, unit, owner))
                         callbacks.add(task)
                         task.add_done_callback(callbacks.discard)
 
@@ -347,9 +368,7 @@ class Load:
                 for route in sched.empty:
                     self.land(route, 0)
                 workers = min(self.strategy.workers if self.strategy else 1, max(1, len(sched.ops)))
-                tg.create_task(
-                    self._read_all(sched.ops, paths, read_one, pool, workers, progress, device)
-                )
+                tg.create_task(read_all(self, sched.ops, paths, read_one, pool, workers, progress))
         except BaseExceptionGroup as group:
             # Nobody sees the group: its traceback goes. It holds the task group's exit
             # frame, which holds the group (a cycle through the error it wraps).
@@ -365,112 +384,6 @@ class Load:
             tg = None  # type: ignore[assignment]
         return None
 
-    async def _read_all(
-        self,
-        ops: Sequence[ReadOp],
-        paths: Sequence[str],
-        read_one: ReadOne,
-        pool: IoPool,
-        workers: int,
-        progress: ProgressCallback | None,
-        device: torch.device,
-    ) -> None:
-        """Every read of ``ops``, by ``workers`` I/O threads that each take the next read
-        themselves (``read_one(thread, index)``) and report it here without waiting (see
-        ReadFeed); this task lands what arrives and watches for reads taking longer than
-        ``read_timeout``."""
-        options = self.options
-        feed = ReadFeed(
-            [op.nbytes for op in ops],
-            workers,
-            max_bytes_per_s=options.max_bytes_per_s,
-            started=self.started,
-            clock=self.clock,
-        )
-        loop = asyncio.get_running_loop()
-        me = asyncio.current_task()
-        # The tracker's own land per piece, the sink's byte count once per read: a plan of
-        # 300,000 small tensors lands that many pieces.
-        sink = self.sink
-        land = sink.tracker.land
-        broken: list[BaseException] = []
-
-        def fail(err: BaseException) -> None:
-            broken.append(err)
-            feed.stop()
-
-        ticker = _Ticker(progress, options.progress_interval, lambda: self.statistics(device), fail)
-
-        def landed(index: int, n: int) -> None:  # on the loop thread, in arrival order
-            # A load that is over or being torn down (this task cancelled: the load was
-            # cancelled, or a unit callback failed) lands nothing more, so no unit completes
-            # and no callback is started for a task group that is shutting down.
-            if feed.stopped or (me is not None and me.cancelling()):
-                return
-            try:
-                self.reads += 1
-                self.bytes_read += n
-                total = 0
-                for route, _, _, nbytes in ops[index].pieces:
-                    land(route, nbytes)
-                    total += nbytes
-                sink.bytes_landed += total
-                ticker.tick()
-            except Exception as err:  # a landing or progress-callback error ends the load
-                fail(err)
-
-        drive = functools.partial(_drive, feed, read_one, loop, landed)  # per I/O thread
-        try:
-            try:
-                async with asyncio.TaskGroup() as tg:
-                    drives = [tg.create_task(pool.run(drive, w)) for w in range(workers)]
-                    if options.read_timeout is not None:
-                        tg.create_task(_watch(feed, drives, options.read_timeout, ops, paths))
-            except BaseException as err:
-                # Raised by the task group, it holds the group's exit frame, which holds
-                # the error: a cycle through the group and this task (see
-                # _read_and_call_back). The errors it wraps keep their own tracebacks.
-                err.__traceback__ = None
-                raise
-            if broken:
-                raise broken.pop()
-            if not (me is not None and me.cancelling()):
-                ticker.flush()
-        finally:
-            feed.stop()
-            ticker.close()
-            # A failed load's traceback holds this frame and the drives' (whose closures
-            # hold these cells): the task group, its tasks and this task would be a cycle
-            # with the error, which holds the destination.
-            tg = drives = me = None  # type: ignore[assignment]
-            broken.clear()
-
-
-def _drive(
-    feed: ReadFeed,
-    read_one: ReadOne,
-    loop: asyncio.AbstractEventLoop,
-    landed: Callable[[int, int], None],
-    worker: int,
-) -> None:
-    """I/O thread ``worker`` of :meth:`Load._read_all`: takes the next read, reads it and
-    reports it to ``landed`` on the loop, until the feed has none left or stops."""
-    try:
-        while (index := feed.take(worker)) is not None:
-            n = read_one(worker, index)
-            feed.finished(worker)
-            # Queued before this thread's own completion: every read a thread finished has
-            # landed by the time its _drive() is seen to return.
-            loop.call_soon_threadsafe(landed, index, n)
-            # Give up the core between reads: with every core busy reading, a waking event
-            # loop would otherwise wait for one until a thread's time slice ends; the yield
-            # costs no load time (figures in docs/performance.md;
-            # test_io_threads_give_up_the_core_after_every_read).
-            _yield()
-    except BaseException:
-        feed.stop()
-        raise
-
 
 def _planned(strategy: TransferStrategy, sink: Sink, gap: int) -> Reads:
     with gc_paused():  # many small objects, none cyclic (see _format)
@@ -484,101 +397,6 @@ def _close(fds: Sequence[int], strategy: TransferStrategy, *keep: object) -> Non
     strategy.close()
 
 
-async def _watch(
-    feed: ReadFeed,
-    drives: Sequence[asyncio.Task[None]],
-    limit: float,
-    ops: Sequence[ReadOp],
-    paths: Sequence[str],
-) -> None:
-    """Until every drive has returned: fail with :class:`ReadTimeoutError` once a read has
-    been in flight for ``limit`` seconds. Wakes only when the oldest read would expire."""
-    while True:
-        oldest = feed.oldest()
-        now = feed.now()
-        if oldest is not None and now - oldest[0] >= limit:
-            op = ops[oldest[1]]
-            raise ReadTimeoutError(
-                f"read of {op.nbytes} bytes at offset {op.offset} took longer than "
-                f"read_timeout={limit}s",
-                file=paths[op.file],
-                offset=op.offset,
-            )
-        wait = limit if oldest is None else oldest[0] + limit - now
-        _, pending = await asyncio.wait(drives, timeout=max(wait, 0.001))
-        if not pending:
-            return
-
-
-class _Ticker:
-    """Calls the progress callback while the reads run: at once for a read that lands
-    ``interval`` seconds or more after the last call, else from a timer at the end of that
-    interval — so the latest figures go out within one interval even if nothing lands
-    after them (a stalled read, the last read), and a stall still shows (elapsed time,
-    falling rate). ``interval`` 0 calls on every landing, and only then.
-
-    A callback failing fails the load: on a landing, the caller's error handling sees it;
-    from the timer, ``fail`` gets it."""
-
-    def __init__(
-        self,
-        callback: ProgressCallback | None,
-        interval: float,
-        snapshot: Callable[[], LoadStatistics],
-        fail: Callable[[BaseException], None],
-    ) -> None:
-        self._callback = callback
-        self._interval = interval
-        self._snapshot = snapshot
-        self._fail = fail
-        self._last = time.perf_counter()
-        self._sent = True  # nothing landed since the last call
-        self._timer: asyncio.TimerHandle | None = None
-        if callback is not None and interval > 0:
-            self._timer = asyncio.get_running_loop().call_later(interval, self._beat)
-
-    def tick(self) -> None:
-        """A read landed (on the loop thread)."""
-        if self._callback is None:
-            return
-        self._sent = False
-        now = time.perf_counter()
-        if now - self._last >= self._interval:
-            self._send(now)
-
-    def close(self) -> None:
-        """The reads ended: no more calls from the timer."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def flush(self) -> None:
-        """Send what landed since the last call (the reads ended well: the figures of the
-        last reads go out now, not after the unit callbacks)."""
-        if self._callback is not None and not self._sent:
-            self._send(time.perf_counter())
-
-    def _send(self, now: float) -> None:
-        assert self._callback is not None
-        self._last = now
-        self._sent = True
-        result: object = self._callback(self._snapshot())
-        _refuse_awaitable(result, "progress")
-
-    def _beat(self) -> None:
-        now = time.perf_counter()
-        wait = self._last + self._interval - now
-        if wait <= 0:
-            try:
-                self._send(now)
-            except Exception as err:
-                self._timer = None
-                self._fail(err)
-                return
-            wait = self._interval
-        self._timer = asyncio.get_running_loop().call_later(wait, self._beat)
-
-
 def check_progress(progress: ProgressCallback | None) -> None:
     if progress is None:
         return
@@ -590,18 +408,6 @@ def check_progress(progress: ProgressCallback | None) -> None:
         raise TypeError(
             "progress is an async function; the loader calls it without awaiting (it must "
             "not hold the load up), so it must be a plain function"
-        )
-
-
-def _refuse_awaitable(result: object, what: str) -> None:
-    """A callback the loader calls without awaiting returned an awaitable (an ``async def``
-    given as ``progress``): it would never run, silently."""
-    if inspect.isawaitable(result):
-        if inspect.iscoroutine(result):
-            result.close()  # no "never awaited" warning on top of the error
-        raise TypeError(
-            f"the {what} callback returned {type(result).__name__}; it is called without "
-            "being awaited, so it must be a plain function"
         )
 
 

@@ -633,7 +633,7 @@ async def _into_dropped(rank: int, world: int, root: Path, result: dict[str, Any
     gc.collect()
     gc.disable()
     slabs = asyncslab.SlabSet(plan)
-    backing = weakref.ref(slabs._backing)
+    backing = weakref.ref(slabs._memory.backing)
     result["outcome"] = await _attempt(
         distributed.load(ckpt, plan, share_reads=True, into=slabs, chunk_bytes=SHARE_CHUNK)
     )

@@ -777,7 +777,7 @@ async def test_stalled_read_keeps_its_fd_and_memory_until_it_returns(
     fake = fake_os(stuck)
     fds = open_fds()
     slabs = SlabSet(p)
-    slab_refs = [weakref.ref(slabs._backing)]  # the one allocation behind every slab
+    slab_refs = [weakref.ref(slabs._memory.backing)]  # the one allocation behind every slab
     # A staged read writes into its staging buffer: that may not be freed under it either.
     real_buffer = _staged.staging_buffer
 

@@ -29,6 +29,7 @@ from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab._heap import gc_paused
 from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import pread_scatter
+from asyncslab.planning import route_column
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
 from tests.helpers import (
     HANG_S,
@@ -93,7 +94,7 @@ async def test_concurrent_acloses_free_the_slabs_only_once_no_read_is_left(
 
     await asyncio.gather(close(), close())
     assert seen == [(True, []), (True, [])]
-    assert slabs._backing.numel() == 0
+    assert slabs._memory.backing.numel() == 0
     assert task.cancelled()
 
 
@@ -365,12 +366,12 @@ async def test_cancelled_ready_callers_leave_no_waiter_behind(
     task = slabs.start(ckpt, options=replace(SMALL, max_bytes_per_s=200_000))
     cancelled = [asyncio.ensure_future(slabs.ready()) for _ in range(5)]
     # Cancelled mid-wait: once each has registered its waiter (not after a fixed sleep).
-    await until(lambda: sum(len(w) for w in slabs._tracker._waiters.values()) == 5)
+    await until(lambda: sum(len(w) for w in slabs._memory.tracker._waiters.values()) == 5)
     assert not any(w.done() for w in cancelled)
     for waiter in cancelled:
         waiter.cancel()
     await asyncio.gather(*cancelled, return_exceptions=True)
-    assert sum(len(w) for w in slabs._tracker._waiters.values()) == 0
+    assert sum(len(w) for w in slabs._memory.tracker._waiters.values()) == 0
     await slabs.ready()
     assert await task is slabs
 
@@ -534,7 +535,7 @@ async def test_a_dropped_slabset_whose_load_failed_frees_its_slabs_without_the_c
     gc.collect()
     with gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(p)
-        backing = weakref.ref(slabs._backing)
+        backing = weakref.ref(slabs._memory.backing)
         if how == "start":
             task = slabs.start(ckpt, **kwargs)
             await until(in_flight.is_set)  # cancelled mid-load, not after a fixed sleep
@@ -618,7 +619,7 @@ async def test_a_retry_begun_when_ready_raised_leaves_no_cycle_behind(
     gc.collect()
     with gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(plan(ckpt))
-        backing = weakref.ref(slabs._backing)
+        backing = weakref.ref(slabs._memory.backing)
         task = slabs.start(ckpt, options=SMALL)
         with pytest.raises(asyncslab.IncompleteLoadError):
             await slabs.ready()
@@ -907,7 +908,7 @@ async def test_aclose_frees_the_slabs_while_the_slabset_is_still_held(
     gc.collect()
     with gc_paused():  # the collector off: only reference counts free
         slabs = SlabSet(plan(ckpt))
-        backing = weakref.ref(slabs._backing)
+        backing = weakref.ref(slabs._memory.backing)
         if ending == "failed":
             with pytest.raises(asyncslab.LoadError):
                 await slabs.load(ckpt, **kwargs)
@@ -919,3 +920,58 @@ async def test_aclose_frees_the_slabs_while_the_slabset_is_still_held(
         assert backing() is None
         assert slabs.statistics().bytes_landed == landed > 0
         assert slabs.statistics().state == ending
+
+
+async def test_a_load_driven_elsewhere_fills_gates_and_voids_through_slabs_loads(
+    small_checkpoint: SyntheticCheckpoint,
+) -> None:
+    # The seam the distributed load uses: a load whose bytes someone else moves is begun,
+    # landed, finished and voided through ``slabs.loads``, and the slabs gate and report
+    # as after any load.
+    ckpt = Checkpoint.open(small_checkpoint.root)
+    p = plan(ckpt)
+    reference = await asyncslab.load(ckpt, p)
+    source = reference.loads.current.sink.backing
+    nbytes = route_column(p.routes, "nbytes")
+    async with SlabSet(p) as slabs:
+        await slabs.loads.settled()  # nothing earlier: returns at once
+        shared = slabs.loads.begin_shared(ckpt, p, LoadOptions())
+        assert slabs.state == "loading"
+        with pytest.raises(asyncslab.LoadError, match="already running"):
+            await slabs.load(ckpt)
+        assert shared.sink.backing is not None
+        assert source is not None
+        shared.sink.backing.copy_(source)  # the bytes, moved "elsewhere"
+        shared.begin(None)
+        for route, n in enumerate(nbytes):
+            shared.land(route, n)
+        assert shared.complete
+        shared.finish("complete")
+        await slabs.ready()
+        assert_bit_identical(slabs, ckpt)
+        stats = slabs.statistics()
+        assert (stats.state, stats.transfer, stats.bytes_landed) == (
+            "complete",
+            "shared",
+            sum(nbytes),
+        )
+
+        # Failed elsewhere after some units landed: voided, none of them is handed out,
+        # and ready() raises with the load's error.
+        slabs.reset()
+        shared = slabs.loads.begin_shared(ckpt, p, LoadOptions())
+        shared.begin(None)
+        for route in range(len(nbytes) // 2):
+            shared.land(route, nbytes[route])
+        shared.finish("failed", asyncslab.LoadError("stopped: rank 1 failed"))
+        slabs.loads.void()
+        assert slabs.state == "failed"
+        assert not slabs.loads.closed
+        for name in p.slabs:
+            with pytest.raises(asyncslab.IncompleteLoadError):
+                slabs.slab(name)
+        with pytest.raises(asyncslab.IncompleteLoadError) as caught:
+            await slabs.ready()
+        assert "rank 1 failed" in str(caught.value.__cause__)
+    assert slabs.loads.closed
+    await reference.aclose()

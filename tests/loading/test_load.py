@@ -466,7 +466,7 @@ async def test_a_dropped_slabset_frees_its_slabs_without_the_garbage_collector(
         task = started.start(ckpt, options=options)
         assert await task is started
         assert loaded.state == started.state == "complete"
-        backings = [weakref.ref(loaded._backing), weakref.ref(started._backing)]
+        backings = [weakref.ref(loaded._memory.backing), weakref.ref(started._memory.backing)]
         del loaded, started, task
         # The loop's handle that resumed this step still holds the task it awaited (and
         # so its result) until the step ends.

@@ -357,7 +357,7 @@ async def test_a_registration_stuck_past_read_timeout_keeps_the_mappings_until_i
     stuck = Stuck()
     monkeypatch.setattr(_mapped, "PopulateRegistry", lambda: stuck)
     slabs = SlabSet(plan(ckpt))
-    backing = weakref.ref(slabs._backing)  # the one allocation behind every slab
+    backing = weakref.ref(slabs._memory.backing)  # the one allocation behind every slab
     with pytest.raises(asyncslab.errors.ReadTimeoutError):
         await slabs.load(ckpt, options=replace(MAPPED, read_timeout=0.1))
     await slabs.aclose()
@@ -432,11 +432,12 @@ async def test_direct_transfer_onto_cuda_is_refused_before_anything_starts(
 ) -> None:
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = SlabSet(plan(ckpt))
-    slabs.device = torch.device("cuda")  # only the check is exercised; nothing is allocated
+    # Only the check is exercised; nothing is allocated: the device its memory is on.
+    slabs._memory.device = torch.device("cuda")
     with pytest.raises(asyncslab.LoadError, match="reads into host memory"):
         await slabs.load(ckpt, options=LoadOptions(transfer="direct"))
     assert slabs.state == "empty"
-    slabs.device = torch.device("cpu")
+    slabs._memory.device = torch.device("cpu")
     await slabs.aclose()
 
 

@@ -370,10 +370,14 @@ async def test_io_threads_give_up_the_core_after_every_read(
 ) -> None:
     """Between two reads an I/O thread yields its core, so that a waking event loop does not
     wait for one while every core is busy reading."""
-    from asyncslab.loading import _load
+    from asyncslab.loading import _read_pass
 
     yields: list[str] = []
-    monkeypatch.setattr(_load, "_yield", lambda: yields.append(threading.current_thread().name))
+
+    def record() -> None:
+        yields.append(threading.current_thread().name)
+
+    monkeypatch.setattr(_read_pass, "_yield", record)
     ckpt = Checkpoint.open(moe_checkpoint.root)
     slabs = await asyncslab.load(ckpt, plan(ckpt), options=LoadOptions(read_size=32 << 10))
     assert len(yields) == slabs.statistics().reads > 1

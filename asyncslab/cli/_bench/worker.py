@@ -306,10 +306,10 @@ def run_asyncslab(task: dict[str, Any], checkpoint: Any, plan: Any) -> dict[str,
         slabs = None
         if pretouched:
             slabs = asyncslab.SlabSet(plan)
-            backing = getattr(slabs, "_backing", None)
+            backing = slabs.loads.current.sink.backing  # the one allocation behind the slabs
             if isinstance(backing, torch.Tensor):
                 touch([backing])
-            else:  # a future SlabSet without _backing: a load writes every byte as well
+            else:  # slabs without one: a load writes every byte as well
                 await slabs.load(checkpoint, options=options)
                 slabs.reset()
         # Control: the same ticker with nothing else running, so that lag caused by the
