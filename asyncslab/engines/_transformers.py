@@ -701,7 +701,7 @@ def _fetch_files(
     the environment and ``storage_options``, as for ``Checkpoint.open``)."""
     import obstore
 
-    from ..checkpoint import client, parse_uri, refused, store_spec
+    from .._objects import client, parse_uri, refused, store_spec
 
     scheme, bucket, prefix = parse_uri(uri)
     scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
