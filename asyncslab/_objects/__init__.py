@@ -11,7 +11,8 @@ retried within a deadline with jittered backoff (:class:`Retries`), into the cli
 buffer or, presigned, straight into the caller's memory (:class:`ObjectReads`).
 
 Internal: the stages import these names from here, never from the private modules; none of
-them speaks of checkpoints, plans or loads. obstore is imported on first use only.
+them takes a checkpoint's, a plan's or a load's types (an object's errors are those a local
+file would give). obstore is imported on first use only.
 """
 
 from ._client import client as client

@@ -1,15 +1,15 @@
 """Ranged GETs whose bodies land straight in the caller's memory: the fast path for
 ``s3://`` and ``az://`` (``LoadOptions.presigned_gets``).
 
-obstore collects each response body into a buffer of its own, which the loader then copies
-into the slots: two copies in user space, and a fresh 8 MiB allocation per request. On a
+obstore collects each response body into a buffer of its own, which a load then copies
+into its slots: two copies in user space, and a fresh 8 MiB allocation per request. On a
 two-core server that client work cost 3.7x the CPU of reading the same bytes with the
 standard library's ``http.client`` (docs/performance.md has the figures). So here obstore
 only signs: it turns its credentials, whatever their source, into a presigned URL per object
 (S3's query-string signature, an Azure SAS), and ``http.client`` makes the GET on a
 keep-alive connection of the I/O thread's own, reading the body with ``readinto`` into the
-slots' memory - or the thread's staging buffer - so that the kernel copies each byte once,
-out of the socket into its final place.
+caller's memory (a load's slots, or its thread's staging buffer), so that the kernel copies
+each byte once, out of the socket into its final place.
 
 What a GET through obstore checks, this checks too: the request is pinned with ``If-Match``
 to the ETag recorded at open, and the response's status, ETag, and length are checked
