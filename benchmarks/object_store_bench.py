@@ -55,7 +55,7 @@ async def raw_bound(ckpt: asyncslab.Checkpoint, request: int, concurrency: int) 
     """The same ranged GETs, ``concurrency`` in flight, into one preallocated buffer."""
     import obstore
 
-    from asyncslab.checkpoint._object_store import client
+    from asyncslab._objects import client
 
     ranges = []
     for shard in ckpt.files:

@@ -353,7 +353,7 @@ def raw_threads(ckpt: Any, request: int, concurrency: int) -> float:
     import obstore
     import torch
 
-    from asyncslab.checkpoint._object_store import client
+    from asyncslab._objects import client
 
     jobs = []
     total = 0

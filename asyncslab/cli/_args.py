@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .._objects import SCHEMES, ObjectPath
 from .._units import parse_size
-from ..checkpoint import SCHEMES, ObjectPath
 from ..loading import LoadOptions
 
 __all__ = [

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from .._objects import ObjectPath
 from .._units import format_bytes
-from ..checkpoint import INDEX_SUFFIX, Checkpoint, ObjectPath
+from ..checkpoint import INDEX_SUFFIX, Checkpoint
 from ..errors import PlanError
 from ..planning import Plan, plan
 from ._common import UsageError, bytes_exact, jsonable, out

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._objects import ObjectPath
 from .._os import peak_rss
 from .._units import format_bytes
-from ..checkpoint import Checkpoint, ObjectPath
+from ..checkpoint import Checkpoint
 from ..loading import LoadOptions, LoadStatistics, SlabSet, load
 from ..planning import Plan
 from ..testing import _verify

@@ -5,10 +5,10 @@ in a bucket (ranged GETs).
 a :class:`SegmentSource`, opened before the pre-flight so that a failure to open travels in
 it. A local checkpoint's source holds the shards' file descriptors; an object checkpoint's
 (``s3://``, ``gs://``, ``az://``) holds the clients of its buckets and fetches each chunk's
-segments by the single-process loader's own GETs (``loading._strategy_remote``): pinned to
+segments by the GETs the single-process loader makes (``_objects.ObjectReads``): pinned to
 the ETag recorded at open, retried after a transient failure within ``read_timeout``, cut at
 ``request_size``, ``request_concurrency`` in flight; presigned where the store signs, each
-body read straight into the chunk's buffer (``loading._presigned``), else through obstore.
+body read straight into the chunk's buffer, else through obstore.
 Either way a rank requests only the byte ranges of the chunks it owns.
 """
 
@@ -21,21 +21,17 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._objects import ObjectLocation, ObjectReads, Retries
 from ..checkpoint import Checkpoint, ShardFile
+from ..errors import LoadError
 from ..loading import (
-    Connections,
     LoadOptions,
-    fetch,
-    fetch_into,
     host_copy,
     open_checked,
     pread_scatter,
     reads_objects,
-    request_limits,
     response_tensor,
     scatter,
-    signers_of,
-    store_of,
 )
 from ..planning import Plan
 from ._chunks import Done, Segment, SegmentSource
@@ -126,13 +122,15 @@ class ObjectSegments:
     its place in the chunk's buffer (presigned), or its response copied there once."""
 
     def __init__(self, shards: Sequence[ShardFile], options: LoadOptions) -> None:
-        self._shards = shards
-        self._attempts, self._timeout = request_limits(options)
+        retries = Retries.within(options.request_retries, options.read_timeout)
         # Made now, so that a client that cannot be configured fails this rank's set-up.
-        self._stores = [store_of(shard, self._timeout) for shard in shards]
-        self._signers = signers_of(shards, self._stores, options.presigned_gets)
+        self._objects = ObjectReads(
+            [_location(shard) for shard in shards],
+            retries,
+            options.request_concurrency,  # a connection per GET thread
+            options.presigned_gets,
+        )
         self._size = options.request_size
-        self._connections = Connections(options.request_concurrency)  # one per GET thread
         self._gets = _Workers(options.request_concurrency)
 
     def read(self, segments: Sequence[Segment], address: int, done: Done) -> None:
@@ -150,18 +148,21 @@ class ObjectSegments:
             done(piece[2])
 
     def _get(self, worker: int, file: int, offset: int, nbytes: int, address: int) -> None:
-        shard, store, signer = self._shards[file], self._stores[file], self._signers[file]
-        limits = (self._attempts, self._timeout)
-        if signer is not None and shard.source is not None and signer.signs(shard.source.key):
-            regions = ((address, nbytes),)
-            fetch_into(self._connections, worker, signer, store, shard, offset, regions, *limits)
+        if self._objects.signs(file):
+            self._objects.fetch_into(worker, file, offset, ((address, nbytes),))
             return
-        data = fetch(store, shard, offset, nbytes, *limits)
+        data = self._objects.fetch(file, offset, nbytes)
         host_copy(address, response_tensor(data, nbytes).data_ptr(), nbytes)  # ``data`` lives
 
     def close(self) -> None:
         self._gets.close()
-        self._connections.close()  # the threads are gone: no GET is using one
+        self._objects.close()  # the threads are gone: no GET is using a connection
+
+
+def _location(shard: ShardFile) -> ObjectLocation:
+    if shard.source is None:
+        raise LoadError("not an object", file=shard.path)
+    return shard.source
 
 
 class _Workers:

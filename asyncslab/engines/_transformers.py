@@ -598,6 +598,3 @@ def _convert(model: Any, group: Converted, sources: Mapping[str, torch.Tensor]) 
     for name, value in result.items():
         # copy_ casts: a converted group is one whose dtype change was asked for.
         model.get_parameter_or_buffer(name).copy_(value)
-
-
-# --- object storage: the files beside the weights ---------------------------------------

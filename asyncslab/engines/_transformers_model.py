@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import tempfile
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..checkpoint import SCHEMES, Checkpoint, ObjectPath
+from .._objects import SCHEMES, ObjectPath
+from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 
 __all__ = [
@@ -70,24 +71,20 @@ def _fetch_files(
 ) -> None:
     """Every object directly under ``uri`` but the weights (config, generation config,
     tokenizer), into ``into``, by asyncslab's own client (endpoint and credentials from
-    the environment and ``storage_options``, as for ``Checkpoint.open``)."""
-    import obstore
+    the environment and ``storage_options``, as for ``Checkpoint.open``), each GET pinned
+    to the ETag its listing gave."""
+    from .._objects import ObjectLocation, bucket_of, client, etag_of, listing, read_object
 
-    from ..checkpoint import client, parse_uri, refused, store_spec
-
-    scheme, bucket, prefix = parse_uri(uri)
-    scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
-    spec = store_spec(scheme, bucket, storage_options)
+    spec, prefix = bucket_of(uri, storage_options)
     store = client(spec)
-    where = ObjectPath.of(scheme, bucket, prefix)
-    try:
-        listed = obstore.list_with_delimiter(store, f"{prefix}/" if prefix else None)
-    except Exception as err:
-        raise refused(err, "listing the prefix", where, spec) from None
-    keys = [
-        meta["path"] for meta in listed["objects"] if not meta["path"].endswith(_WEIGHT_SUFFIXES)
-    ]
-    names = {key: PurePosixPath(key).name for key in keys}
+    where = ObjectPath.of(spec.scheme, spec.bucket, prefix)
+    metas = listing(store, spec, prefix, "listing the prefix")
+    parent = f"{prefix}/" if prefix else ""
+    names = {
+        key: key[len(parent) :]
+        for key in sorted(metas)
+        if "/" not in key[len(parent) :] and not key.endswith(_WEIGHT_SUFFIXES)
+    }
     if need_config and "config.json" not in names.values():
         raise MissingFileError(
             f"no config.json under {uri}: transformers needs the model's config beside its "
@@ -95,15 +92,10 @@ def _fetch_files(
             file=where,
         )
     for key, name in names.items():
-        if name in ("", ".", "..") or "/" in name:
+        if name in ("", ".", ".."):
             raise UnsafePathError(f"object {key!r} under {uri} has no safe file name", file=where)
-        try:
-            data = obstore.get(store, key).bytes()
-        except Exception as err:
-            raise refused(
-                err, "reading the object", ObjectPath.of(scheme, bucket, key), spec
-            ) from None
-        (into / name).write_bytes(bytes(data))
+        location = ObjectLocation(spec, key, etag_of(metas[key]))
+        (into / name).write_bytes(read_object(store, location))
 
 
 def read_config(config: Any, files: Path) -> Any:

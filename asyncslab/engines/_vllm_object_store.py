@@ -35,17 +35,20 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from ..checkpoint import (
+from .._objects import (
     SCHEMES,
-    Checkpoint,
+    ObjectLocation,
     ObjectPath,
+    StoreSpec,
+    bucket_of,
     client,
     endpoint,
     etag_of,
+    listing,
     parse_uri,
-    refused,
-    store_spec,
+    read_object,
 )
+from ..checkpoint import Checkpoint
 from ..errors import CheckpointError, MissingFileError, UnsafePathError
 
 __all__ = ["install", "is_object_uri", "object_weights", "open_checkpoint", "pull_config"]
@@ -161,18 +164,9 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
     directory of its own, an unchanged one the same, pulled once (the objects go to a
     staging directory renamed into place when complete, so two processes pulling at once
     each end with the whole of it)."""
-    import obstore
-
-    scheme, bucket, prefix = parse_uri(uri)
-    scheme = "az" if scheme in ("azure", "abfs") else scheme  # as Checkpoint.open
-    spec = store_spec(scheme, bucket, {})
+    spec, prefix = bucket_of(uri, {})  # as Checkpoint.open
     store = client(spec)
-    where = ObjectPath.of(scheme, bucket, prefix)
-    try:
-        pages = obstore.list(store, f"{prefix}/" if prefix else None, chunk_size=1000)
-        metas = {meta["path"]: meta for page in pages for meta in page}
-    except Exception as err:
-        raise refused(err, "listing the prefix", where, spec) from None
+    metas = listing(store, spec, prefix, "listing the prefix")
     wanted = {
         key: meta
         for key, meta in sorted(metas.items())
@@ -181,28 +175,36 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
     if need_config and not any(_relative(k, prefix, uri) == "config.json" for k in wanted):
         raise MissingFileError(
             f"no config.json under {uri}: vLLM needs the model's config beside its weights",
-            file=where,
+            file=ObjectPath.of(spec.scheme, spec.bucket, prefix),
         )
     digest = hashlib.sha256(f"{uri}\n{endpoint(spec)}".encode())
     for key, meta in wanted.items():
         digest.update(f"\n{key}\n{meta.get('e_tag')}\n{meta.get('size')}".encode())
     target = _cache_root() / digest.hexdigest()[:24]
-    if (target / _COMPLETE).is_file():
-        return target
+    if not (target / _COMPLETE).is_file():
+        _pull(store, spec, wanted, prefix, uri, target)
+        logger.info(
+            "asyncslab: pulled %d files of %s (no weights) into %s", len(wanted), uri, target
+        )
+    return target
+
+
+def _pull(
+    store: Any,
+    spec: StoreSpec,
+    metas: dict[str, dict[str, Any]],
+    prefix: str,
+    uri: str,
+    target: Path,
+) -> None:
+    """The objects ``metas`` lists, each as listed (pinned to its ETag: the directory's name
+    says which), into ``target``, whole or not at all."""
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        for key, meta in wanted.items():
+        for key, meta in metas.items():
             dest = staging / _relative(key, prefix, uri)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            options: dict[str, Any] = {}
-            if meta.get("e_tag"):
-                options["if_match"] = etag_of(meta)  # as listed: the digest names this one
-            try:
-                data = obstore.get(store, key, options=options).bytes()  # type: ignore[arg-type]
-            except Exception as err:
-                path = ObjectPath.of(scheme, bucket, key)
-                raise refused(err, "reading the object", path, spec) from None
-            dest.write_bytes(bytes(data))
+            dest.write_bytes(read_object(store, ObjectLocation(spec, key, etag_of(meta))))
         (staging / _COMPLETE).touch()
         try:
             staging.rename(target)
@@ -212,8 +214,6 @@ def pull_config(uri: str, *, need_config: bool = True) -> Path:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("asyncslab: pulled %d files of %s (no weights) into %s", len(wanted), uri, target)
-    return target
 
 
 def _cache_root() -> Path:

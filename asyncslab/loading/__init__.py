@@ -19,8 +19,6 @@ from ._options import LoadOptions as LoadOptions
 from ._options import LoadStatistics as LoadStatistics
 from ._options import ProgressCallback as ProgressCallback
 from ._pinned import pinned_bytes as pinned_bytes
-from ._presigned import Connections as Connections
-from ._presigned import presigns as presigns
 from ._read import byte_view as byte_view
 from ._read import pread_scatter as pread_scatter
 from ._read import scatter as scatter
@@ -29,16 +27,11 @@ from ._sink import Sink as Sink
 from ._slabs import SlabSet as SlabSet
 from ._slabs import load as load
 from ._strategy_mapped import PopulateRegistry as PopulateRegistry
-from ._strategy_remote import fetch as fetch
-from ._strategy_remote import fetch_into as fetch_into
+from ._strategy_remote import presigns as presigns
 from ._strategy_remote import reads_objects as reads_objects
-from ._strategy_remote import request_limits as request_limits
 from ._strategy_remote import response_tensor as response_tensor
-from ._strategy_remote import signers_of as signers_of
-from ._strategy_remote import store_of as store_of
 
 __all__ = [
-    "Connections",
     "Load",
     "Loads",
     "LoadOptions",
@@ -49,8 +42,6 @@ __all__ = [
     "SlabSet",
     "byte_view",
     "direct_scatters",
-    "fetch",
-    "fetch_into",
     "host_copy",
     "load",
     "map_checked",
@@ -59,11 +50,8 @@ __all__ = [
     "presigns",
     "pread_scatter",
     "reads_objects",
-    "request_limits",
     "response_tensor",
     "scatter",
     "schedule",
-    "signers_of",
     "slab_layout",
-    "store_of",
 ]

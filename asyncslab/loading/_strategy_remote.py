@@ -1,5 +1,5 @@
 """The object-store transfer: the schedule's reads as ranged GETs (shards opened from
-``s3://``, ``gs://`` or ``az://``; see ``checkpoint/_object_store``).
+``s3://``, ``gs://`` or ``az://``), made by ``asyncslab._objects``.
 
 The same coalesced reads as a local load, cut at ``LoadOptions.request_size``, each fetched
 by one GET pinned to the ETag recorded when the checkpoint was opened (``If-Match``, and the
@@ -7,14 +7,13 @@ ETag of every response checked too). ``request_concurrency`` I/O threads each ta
 read themselves (``_read.ReadFeed``), fetch it, and write its bytes once. A GET is made one
 of two ways:
 
-- presigned (``_presigned``; ``s3://`` and ``az://`` where the store can sign, the
-  default): the standard library's HTTP client reads the body straight into the read's
-  slots, as a local direct read scatters (gaps to a scratch buffer), or for a staged load
-  into the thread's own staging buffer, then to the device (``_copy``). No client buffer;
-- through obstore (:func:`fetch`; ``gs://``, a store that cannot sign, a proxy,
-  ``presigned_gets=False``): the client collects the body into a buffer of its own, copied
-  into the slots by ``memmove`` on the thread (``_copy.HostCopier``) or into the staging
-  buffer.
+- presigned (``s3://`` and ``az://`` where the store can sign, the default): the standard
+  library's HTTP client reads the body straight into the read's slots, as a local direct
+  read scatters (gaps to a scratch buffer), or for a staged load into the thread's own
+  staging buffer, then to the device (``_copy``). No client buffer;
+- through obstore (``gs://``, a store that cannot sign, a proxy, ``presigned_gets=False``):
+  the client collects the body into a buffer of its own, copied into the slots by
+  ``memmove`` on the thread (``_copy.HostCopier``) or into the staging buffer.
 
 Either way at most ``request_concurrency`` reads of at most ``request_size`` bytes are in
 flight, whatever the checkpoint's size. The client waits with the GIL released, as
@@ -32,49 +31,33 @@ allocations of the request in between would be carved out of it, and the next bo
 no longer fit.
 
 A response cut short, a dropped connection or a 5xx is retried (``request_retries`` times,
-backoff doubling from 50 ms); the attempts and the waits between them share ``read_timeout``
-(each attempt's share enforced by the client: obstore's limit on the whole request; for a
-presigned GET, the same limit on every wait of its socket), so a server that stops answering
-fails the load within ``read_timeout`` and no GET outlives the load's drain.
+with jittered backoff); the attempts and the waits between them share ``read_timeout``
+(``_objects.Retries``), so a server that stops answering fails the load within
+``read_timeout`` and no GET outlives the load's drain.
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..checkpoint import ShardFile, client, etag_of, failure_kind, pinned, redacted
-from ..errors import FileChangedError, LoadError, ReadError, ReadTimeoutError
+from .._objects import ObjectLocation, ObjectReads, Retries
+from .._objects import presigns as presigned_location
+from ..checkpoint import ShardFile
+from ..errors import LoadError
 from ..planning import Plan
 from ._copy import Copier, direct_scatters, host_copy
 from ._options import LoadOptions
 from ._pinned import StagingBuffers, StagingStatistics, staging_budget
-from ._presigned import Connections, Signer, get_into, signer_of
 from ._read import byte_view
 from ._schedule import ReadOp, schedule
 from ._sink import Files, ReadOne, Reads, Sink, named_copy
 from ._strategy_staged import staging_buffer
 
-__all__ = [
-    "Remote",
-    "fetch",
-    "fetch_into",
-    "reads_objects",
-    "request_limits",
-    "response_tensor",
-    "signers_of",
-    "store_of",
-]
-
-_T = TypeVar("_T")
-
-_BACKOFF_S = 0.05
-_BACKOFF_MAX_S = 1.0
+__all__ = ["Remote", "presigns", "reads_objects", "response_tensor"]
 
 
 def reads_objects(plan: Plan) -> bool:
@@ -102,11 +85,11 @@ class Remote:
             budget = min(options.staging_bytes, self.workers * options.request_size)
             self.staging_budget = staging_budget(max(budget, self.workers), self.workers, self._pin)
             self.read_size = self.staging_budget // self.workers
-        self._attempts, self._timeout = request_limits(options)
+        self._retries = Retries.within(options.request_retries, options.read_timeout)
         self._copier = copier
         self._presigned = options.presigned_gets
         self._staging: StagingBuffers | None = None
-        self._connections: Connections | None = None
+        self._gets: ObjectReads | None = None
         self._held: list[Any] = []  # each thread's last response (see the module's docstring)
 
     def plan(self, sink: Sink, gap: int) -> Reads:
@@ -119,71 +102,48 @@ class Remote:
         return Reads(sched, scatters, scratch)
 
     def open(self, reads: Reads, files: Files, sink: Sink) -> ReadOne:
-        shards = sink.plan.files
-        stores = [store_of(shard, self._timeout) for shard in shards]
-        ops, paths, scatters = reads.schedule.ops, files.paths, reads.scatters
-        signers = signers_of(shards, stores, self._presigned)
-        keys = [shard.source.key if shard.source is not None else "" for shard in shards]
-        connections = self._connections = Connections(self.workers)
-        attempts, timeout = self._attempts, self._timeout
-        copy = named_copy(self._copier.copy, sink, paths)
+        locations = [_location(shard) for shard in sink.plan.files]
+        gets = self._gets = ObjectReads(locations, self._retries, self.workers, self._presigned)
+        ops, scatters = reads.schedule.ops, reads.scatters
+        copy = named_copy(self._copier.copy, sink, files.paths)
         staging = None
         if self._staged:
             pin = self._pin
             staging = self._staging = StagingBuffers(
                 self.staging_budget, self.workers, lambda size: staging_buffer(size, pin)
             )
-
         held = self._held = [None] * self.workers
         releases = [functools.partial(held.__setitem__, w, None) for w in range(self.workers)]
 
         def read_one(worker: int, index: int) -> int:
             op = ops[index]
-            shard, signer = shards[op.file], signers[op.file]
-            if signer is not None and signer.signs(keys[op.file]):
-                presigned_read(worker, op, index, shard, signer)
+            if gets.signs(op.file):
+                presigned_read(worker, op, index)
                 return op.nbytes
-            data = fetch(
-                stores[op.file],
-                shards[op.file],
-                op.offset,
-                op.nbytes,
-                attempts,
-                timeout,
-                headers_arrived=releases[worker],  # frees this thread's last response
-            )
+            # Frees this thread's last response once the next one's headers arrived.
+            data = gets.fetch(op.file, op.offset, op.nbytes, headers_arrived=releases[worker])
             response = response_tensor(data, op.nbytes)  # ``data`` lives until the copy returned
             if staging is None:
                 copy(op, response, worker)  # each byte written once, into its slot
             else:
                 with staging.use(worker) as buffer:
-                    if op.nbytes > buffer.numel():  # the copy writes through a raw pointer
-                        raise ValueError(
-                            f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer"
-                        )
+                    _fits(op, buffer)  # the copy writes through a raw pointer
                     host_copy(buffer.data_ptr(), response.data_ptr(), op.nbytes)
                     copy(op, buffer, worker)  # returns once the buffer may be reused
             held[worker] = data
             del data, response
             return op.nbytes
 
-        def presigned_read(
-            worker: int, op: ReadOp, index: int, shard: ShardFile, signer: Signer
-        ) -> None:
-            fetch_body = functools.partial(
-                fetch_into, connections, worker, signer, stores[op.file], shard, op.offset
-            )
+        def presigned_read(worker: int, op: ReadOp, index: int) -> None:
             if staging is None:
                 assert scatters is not None
                 iov = scatters[index].iov
-                fetch_body(tuple(zip(iov[0::2], iov[1::2], strict=True)), attempts, timeout)
+                regions = tuple(zip(iov[0::2], iov[1::2], strict=True))
+                gets.fetch_into(worker, op.file, op.offset, regions)
                 return
             with staging.use(worker) as buffer:
-                if op.nbytes > buffer.numel():  # the body is read through a raw pointer
-                    raise ValueError(
-                        f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer"
-                    )
-                fetch_body(((buffer.data_ptr(), op.nbytes),), attempts, timeout)
+                _fits(op, buffer)  # the body is read through a raw pointer
+                gets.fetch_into(worker, op.file, op.offset, ((buffer.data_ptr(), op.nbytes),))
                 copy(op, buffer, worker)
 
         return read_one
@@ -194,191 +154,31 @@ class Remote:
     def close(self) -> None:
         # After the threads drained (or, a read stuck, once it returned): none sets its slot.
         self._held[:] = [None] * len(self._held)
-        if self._connections is not None:
-            self._connections.close()
+        if self._gets is not None:
+            self._gets.close()
         if self._staging is not None:
             self._staging.close()
 
 
-def request_limits(options: LoadOptions) -> tuple[int, float | None]:
-    """The attempts each GET of a load gets, and the seconds each attempt may take: all
-    attempts and the waits between them within ``read_timeout`` (the backoff takes at most
-    half of it)."""
-    attempts = options.request_retries + 1
-    timeout = options.read_timeout
-    waits = min(sum(_backoff(k) for k in range(1, attempts)), (timeout or 0) / 2)
-    return attempts, None if timeout is None else (timeout - waits) / attempts
-
-
 def response_tensor(data: Any, nbytes: int) -> torch.Tensor:
-    """A uint8 view of the client's buffer ``data`` (a response of :func:`fetch`), no copy;
-    valid while ``data`` lives."""
+    """A uint8 view of the client's buffer ``data`` (a response of ``ObjectReads.fetch``), no
+    copy; valid while ``data`` lives."""
     address = np.frombuffer(data, dtype=np.uint8).__array_interface__["data"][0]
     return torch.frombuffer(byte_view(address, nbytes), dtype=torch.uint8)
 
 
-def _backoff(attempt: int) -> float:
-    """Seconds to wait before attempt ``attempt`` (1: the first retry)."""
-    return min(_BACKOFF_S * 2.0 ** (attempt - 1), _BACKOFF_MAX_S)
+def presigns(shard: ShardFile) -> bool:
+    """Whether a load's GETs of ``shard`` are presigned, read straight into their slots
+    (with ``LoadOptions.presigned_gets``, and where its store turns out able to sign)."""
+    return shard.source is not None and presigned_location(shard.source)
 
 
-def store_of(shard: ShardFile, timeout: float | None) -> Any:
-    """The client of ``shard``'s bucket for a load's GETs (``timeout``: each attempt's
-    limit, from :func:`request_limits`)."""
+def _location(shard: ShardFile) -> ObjectLocation:
     if shard.source is None:
         raise LoadError("not an object", file=shard.path)
-    return client(shard.source.store, timeout, retry=False)  # fetch() retries, in time
+    return shard.source
 
 
-def signers_of(
-    shards: Sequence[ShardFile], stores: Sequence[Any], presigned_gets: bool
-) -> list[Signer | None]:
-    """Each shard's :class:`Signer`, or None where its GETs go through obstore (all of them
-    unless ``presigned_gets``, the load's option); one per store (``stores``: each shard's,
-    from :func:`store_of`), so that a store is asked to sign once per load."""
-    if not presigned_gets:
-        return [None] * len(shards)
-    by_store: dict[int, Signer | None] = {}
-    for shard, store in zip(shards, stores, strict=True):
-        if id(store) not in by_store:
-            by_store[id(store)] = signer_of(shard, store)
-    return [by_store[id(store)] for store in stores]
-
-
-def fetch(
-    store: Any,
-    shard: ShardFile,
-    offset: int,
-    nbytes: int,
-    attempts: int,
-    timeout: float | None = None,
-    headers_arrived: Callable[[], None] | None = None,
-) -> Any:
-    """Bytes ``[offset, offset + nbytes)`` of the object ``shard``, in one ranged GET pinned
-    to its ETag, retried ``attempts - 1`` times after a transient failure (``timeout``: the
-    seconds each attempt may take, as ``store`` enforces them; for the message;
-    ``headers_arrived``: called once an attempt's response headers came, before its body is
-    collected). Returns the client's buffer (it supports the buffer protocol)."""
-    import obstore
-
-    location = shard.source
-    assert location is not None
-    options = pinned(location, offset, offset + nbytes)
-
-    def attempt() -> Any:
-        result = obstore.get(store, location.key, options=options)
-        _check_etag(shard, etag_of(result.meta))
-        if headers_arrived is not None:
-            headers_arrived()
-        data = result.bytes()
-        if len(data) != nbytes:
-            raise ValueError(f"the response held {len(data)} of {nbytes} bytes")
-        return data
-
-    return _retried(attempt, store, shard, offset, nbytes, attempts, timeout)
-
-
-def fetch_into(
-    connections: Connections,
-    worker: int,
-    signer: Signer,
-    store: Any,
-    shard: ShardFile,
-    offset: int,
-    regions: Sequence[tuple[int, int]],
-    attempts: int,
-    timeout: float | None = None,
-) -> None:
-    """:func:`fetch`'s twin for a presigned GET (``_presigned``): the body read into
-    ``regions`` (``(address, nbytes)`` pairs, in order), each attempt on ``worker``'s
-    connection; the same retries and errors (``store``: to look up a changed object's
-    ETag)."""
-    nbytes = sum(size for _, size in regions)
-
-    def attempt() -> None:
-        _check_etag(shard, get_into(connections, worker, signer, shard, offset, regions, timeout))
-
-    _retried(attempt, store, shard, offset, nbytes, attempts, timeout)
-
-
-def _check_etag(shard: ShardFile, got: str | None) -> None:
-    expected = shard.source.etag if shard.source is not None else None
-    if expected is not None and got is not None and got != expected:
-        raise _changed(shard, got)
-
-
-def _retried(
-    attempt: Callable[[], _T],
-    store: Any,
-    shard: ShardFile,
-    offset: int,
-    nbytes: int,
-    attempts: int,
-    timeout: float | None,
-) -> _T:
-    """``attempt()``'s result, retried ``attempts - 1`` times after a transient failure
-    (backoff doubling from 50 ms); a changed, missing or refused object ends at once."""
-    location = shard.source
-    assert location is not None
-    span = f"bytes {offset}-{offset + nbytes - 1}"
-    last: Exception | None = None
-    kind = "transient"
-    for number in range(attempts):
-        if number:
-            time.sleep(_backoff(number))
-        try:
-            return attempt()
-        except FileChangedError:
-            raise
-        except Exception as err:
-            kind = failure_kind(err)
-            if kind == "changed" or kind == "missing":
-                raise _changed(shard, _current_etag(store, location.key)) from None
-            if kind == "denied":
-                raise ReadError(
-                    f"GET of {span} refused: access denied ({redacted(str(err), location.store)})",
-                    file=shard.path,
-                    offset=offset,
-                ) from None
-            last = err
-    why = redacted(str(last), location.store)
-    if kind == "timeout":
-        each = "" if timeout is None else f" of at most {timeout:.3g} s each, within read_timeout"
-        raise ReadTimeoutError(
-            f"GET of {span} timed out ({attempts} attempts{each}): the server stopped "
-            f"answering ({why})",
-            file=shard.path,
-            offset=offset,
-            nbytes=nbytes,
-        )
-    raise ReadError(
-        f"GET of {span} failed after {attempts} attempts: {why}",
-        file=shard.path,
-        offset=offset,
-        nbytes=nbytes,
-    )
-
-
-def _current_etag(store: Any, key: str) -> str | None:
-    import obstore
-
-    try:
-        return etag_of(obstore.head(store, key))
-    except Exception:  # gone, or unreachable: the error says "absent"
-        return None
-
-
-def _changed(shard: ShardFile, got: str | None) -> FileChangedError:
-    location = shard.source
-    assert location is not None
-    now = "is gone" if got is None else f"now has ETag {got}"
-    return FileChangedError(
-        f"object changed since the checkpoint was opened (bucket {location.store.bucket!r}, "
-        f"key {location.key!r}: ETag {location.etag} expected, it {now}); open and plan it "
-        "again",
-        file=shard.path,
-        bucket=location.store.bucket,
-        key=location.key,
-        expected=location.etag,
-        got=got,
-    )
+def _fits(op: ReadOp, buffer: torch.Tensor) -> None:
+    if op.nbytes > buffer.numel():
+        raise ValueError(f"a read of {op.nbytes} bytes into a {buffer.numel()}-byte buffer")

@@ -63,12 +63,12 @@ def proxied_s3(
 
 @pytest.fixture(params=["presigned", "obstore"])
 def gets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways a load makes its GETs (``loading/_presigned``): presigned URLs read straight
+    """Both ways a load makes its GETs (``_objects/_presigned``): presigned URLs read straight
     into the slots where the store signs (``s3://``, ``az://``), or obstore, forced here."""
-    from asyncslab.loading import _strategy_remote
+    from asyncslab._objects import _get
 
     if request.param == "obstore":
-        monkeypatch.setattr(_strategy_remote, "signer_of", lambda shard, store: None)
+        monkeypatch.setattr(_get, "signer_of", lambda location, store: None)
     return str(request.param)
 
 

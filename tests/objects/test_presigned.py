@@ -1,6 +1,6 @@
-"""A presigned GET's own rules (``loading/_presigned``), against a small HTTP server of the
+"""A presigned GET's own rules (``_objects/_presigned``), against a small HTTP server of the
 test's own: what a real store will not do on demand. The loads through real stores are in
-``test_object_store_load.py``."""
+``tests/loading/test_object_store_load.py``."""
 
 from __future__ import annotations
 
@@ -8,14 +8,13 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from asyncslab.checkpoint._source import ObjectLocation, StoreSpec
-from asyncslab.loading._presigned import Connections, Signer, StatusError, _Url, get_into
+from asyncslab._objects import ObjectLocation, StoreSpec
+from asyncslab._objects._presigned import Connections, Signer, StatusError, _Url, get_into
 
 ETAG = '"v1"'
 
@@ -75,7 +74,7 @@ def serve() -> Iterator[Any]:
 
 def _get(port: int, nbytes: int, timeout: float | None) -> tuple[str | None, torch.Tensor]:
     spec = StoreSpec("s3", "models")
-    shard: Any = SimpleNamespace(source=ObjectLocation(spec, "m/x.safetensors", ETAG))
+    location = ObjectLocation(spec, "m/x.safetensors", ETAG)
     signer = Signer(store=None)
     signer._urls["m/x.safetensors"] = _Url(False, "127.0.0.1", port, "/models/x?sig", 1e18)
     out = torch.zeros(nbytes, dtype=torch.uint8)
@@ -83,7 +82,7 @@ def _get(port: int, nbytes: int, timeout: float | None) -> tuple[str | None, tor
     regions = ((out.data_ptr(), half), (out.data_ptr() + half, nbytes - half))
     connections = Connections(1)
     try:
-        return get_into(connections, 0, signer, shard, 0, regions, timeout), out
+        return get_into(connections, 0, signer, location, 0, regions, timeout), out
     finally:
         connections.close()
 

@@ -1,21 +1,21 @@
-"""Ranged GETs whose bodies land straight in their slots: the object-store transfer's fast
-path for ``s3://`` and ``az://`` (``LoadOptions.presigned_gets``).
+"""Ranged GETs whose bodies land straight in the caller's memory: the fast path for
+``s3://`` and ``az://`` (``LoadOptions.presigned_gets``).
 
-obstore collects each response body into a buffer of its own, which the loader then copies
-into the slots: two copies in user space, and a fresh 8 MiB allocation per request. On a
+obstore collects each response body into a buffer of its own, which a load then copies
+into its slots: two copies in user space, and a fresh 8 MiB allocation per request. On a
 two-core server that client work cost 3.7x the CPU of reading the same bytes with the
 standard library's ``http.client`` (docs/performance.md has the figures). So here obstore
 only signs: it turns its credentials, whatever their source, into a presigned URL per object
 (S3's query-string signature, an Azure SAS), and ``http.client`` makes the GET on a
 keep-alive connection of the I/O thread's own, reading the body with ``readinto`` into the
-slots' memory - or the thread's staging buffer - so that the kernel copies each byte once,
-out of the socket into its final place.
+caller's memory (a load's slots, or its thread's staging buffer), so that the kernel copies
+each byte once, out of the socket into its final place.
 
 What a GET through obstore checks, this checks too: the request is pinned with ``If-Match``
 to the ETag recorded at open, and the response's status, ETag, and length are checked
 before a byte of its body is read. Failures are classed as obstore's are
-(:func:`~asyncslab.checkpoint.failure_kind`: ``kind``), so the retries, timeouts and errors of
-``_strategy_remote.fetch`` apply unchanged; no error quotes a URL (it holds a signature).
+(:func:`~._client.failure_kind`: ``kind``), so the retries, timeouts and errors of
+:func:`~._get.fetch` apply unchanged; no error quotes a URL (it holds a signature).
 
 Where requests go unsigned (``skip_signature``), a store cannot sign (no signing
 credentials), or the connection needs what ``http.client`` lacks (a proxy, invalid
@@ -26,6 +26,7 @@ server, and the tests' emulator offers neither, so no test could check it.
 
 from __future__ import annotations
 
+import ctypes
 import http.client
 import os
 import ssl
@@ -37,13 +38,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ..checkpoint import ShardFile
-from ._read import byte_view
+from ._location import ObjectLocation
 
 __all__ = ["Connections", "StatusError", "Signer", "get_into", "presigns", "signer_of"]
 
 #: Schemes signed for (see the module's docstring).
-SCHEMES = frozenset({"s3", "az"})
+SIGNED_SCHEMES = frozenset({"s3", "az"})
 #: A presigned URL's lifetime, and its age when the next request signs a new one: a GET
 #: begun just before renewal still has most of an hour.
 _LIFETIME = timedelta(hours=1)
@@ -132,17 +132,16 @@ def _signed(store: Any, key: str, now: float) -> _Url:
     return _Url(parts.scheme == "https", parts.hostname or "", parts.port, target, now)
 
 
-def signer_of(shard: ShardFile, store: Any) -> Signer | None:
-    """A :class:`Signer` for ``shard``'s store, or None where its GETs go through obstore
+def signer_of(location: ObjectLocation, store: Any) -> Signer | None:
+    """A :class:`Signer` for ``location``'s store, or None where its GETs go through obstore
     (see the module's docstring). Signs nothing yet: see :meth:`Signer.signs`."""
-    return Signer(store) if presigns(shard) else None
+    return Signer(store) if presigns(location) else None
 
 
-def presigns(shard: ShardFile) -> bool:
-    """Whether ``shard``'s GETs are to be presigned (see the module's docstring); a store
+def presigns(location: ObjectLocation) -> bool:
+    """Whether ``location``'s GETs are to be presigned (see the module's docstring); a store
     that turns out unable to sign still sends them through obstore (:meth:`Signer.signs`)."""
-    location = shard.source
-    if location is None or location.store.scheme not in SCHEMES:
+    if location.store.scheme not in SIGNED_SCHEMES:
         return False
     settings = location.store.settings
     if any(key in _OBSTORE_ONLY for key in settings):
@@ -203,18 +202,16 @@ def get_into(
     connections: Connections,
     worker: int,
     signer: Signer,
-    shard: ShardFile,
+    location: ObjectLocation,
     offset: int,
     regions: Sequence[tuple[int, int]],
     timeout: float | None,
 ) -> str | None:
-    """One attempt: bytes from ``offset`` of ``shard``'s object, read in order into
+    """One attempt: bytes from ``offset`` of ``location``'s object, read in order into
     ``regions`` (``(address, nbytes)`` pairs, the caller's memory kept alive), with one GET
-    pinned to the ETag recorded at open (``timeout``: the seconds the whole attempt may
-    take). Returns the response's ETag. Raises :class:`StatusError`, ``OSError`` (a timeout
-    included) or :class:`http.client.HTTPException` (a body cut short)."""
-    location = shard.source
-    assert location is not None
+    pinned to its ETag (``timeout``: the seconds the whole attempt may take). Returns the
+    response's ETag. Raises :class:`StatusError`, ``OSError`` (a timeout included) or
+    :class:`http.client.HTTPException` (a body cut short)."""
     nbytes = sum(size for _, size in regions)
     headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
     if location.etag is not None:
@@ -230,40 +227,63 @@ def get_into(
         sock = conn.sock
         conn.request("GET", url.target, headers=headers)
         response = conn.getresponse()
-        if response.status != 206:
-            code = _error_code(response.read(_ERROR_BODY))
-            if response.status == 200:
-                code = "the server ignored the Range header"
-            raise StatusError(response.status, response.reason, code)
-        length = response.getheader("Content-Length")
-        if length is None or int(length) != nbytes:
-            raise http.client.IncompleteRead(b"", nbytes)
-        etag = response.getheader("ETag")
+        etag = _checked_head(response, nbytes)
         if location.etag is not None and etag is not None and etag != location.etag:
             _close(connections, worker, response)  # its body unread
             return etag  # the caller refuses it
-        # The body read by the response's own reader, past http.client's length bookkeeping:
-        # its readinto1 makes one receive at most, so that the attempt's deadline is looked
-        # at between any two (readinto would wait for a whole piece, however slowly it came).
-        body = response.fp
-        for address, size in regions:
-            view = byte_view(address, size)
-            got = 0
-            while got < size:
-                if deadline is not None:  # the socket's limit is per wait: the body's, whole
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError(f"timed out: the body took over {timeout:.3g} s")
-                    sock.settimeout(left)
-                n = body.readinto1(view[got:])
-                if not n:
-                    raise http.client.IncompleteRead(b"", size - got)
-                got += n
+        _read_body(response, sock, regions, deadline, timeout)
         response.close()  # every byte of its length read: the connection is free again
         return etag
     except BaseException:
         _close(connections, worker, response)
         raise
+
+
+def _checked_head(response: http.client.HTTPResponse, nbytes: int) -> str | None:
+    """The ETag of a response whose status and length are those of the range asked for."""
+    if response.status != 206:
+        code = _error_code(response.read(_ERROR_BODY))
+        if response.status == 200:
+            code = "the server ignored the Range header"
+        raise StatusError(response.status, response.reason, code)
+    length = response.getheader("Content-Length")
+    if length is None or int(length) != nbytes:
+        raise http.client.IncompleteRead(b"", nbytes)
+    return response.getheader("ETag")
+
+
+def _read_body(
+    response: http.client.HTTPResponse,
+    sock: Any,
+    regions: Sequence[tuple[int, int]],
+    deadline: float | None,
+    timeout: float | None,
+) -> None:
+    """The body, into ``regions`` in order, by the response's own reader, past
+    http.client's length bookkeeping: its readinto1 makes one receive at most, so that the
+    attempt's deadline is looked at between any two (readinto would wait for a whole piece,
+    however slowly it came)."""
+    body = response.fp
+    for address, size in regions:
+        view = _view(address, size)
+        got = 0
+        while got < size:
+            if deadline is not None:  # the socket's limit is per wait: the body's, whole
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"timed out: the body took over {timeout:.3g} s")
+                sock.settimeout(left)
+            n = body.readinto1(view[got:])
+            if not n:
+                raise http.client.IncompleteRead(b"", size - got)
+            got += n
+
+
+def _view(address: int, nbytes: int) -> memoryview:
+    """A writable memoryview of ``nbytes`` at ``address``; the caller keeps the owner alive."""
+    if nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
 def _close(
