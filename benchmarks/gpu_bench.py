@@ -204,7 +204,7 @@ class _DeviceSlabs:
     starts in ``backing``."""
 
     def __init__(self, torch: Any, plan: Any, device: str) -> None:
-        from asyncslab.loading._slabs import slab_layout
+        from asyncslab.loading import slab_layout
 
         self.base, total, _ = slab_layout(plan, torch.device(device))
         self.backing = torch.empty(max(1, total), dtype=torch.uint8, device=device)
