@@ -1,7 +1,7 @@
 """The read primitive, measured: aiofiles against ``os.preadv`` on a thread pool.
 
     pip install -e '.[bench]'   # aiofiles
-    python benchmarks/aiofiles_vs_preadv.py [--size 512MiB] [--runs 3]
+    python -m benchmarks.aiofiles_vs_preadv [--size 512MiB] [--runs 3]
 
 Writes a synthetic checkpoint, plans it, then reads every routed tensor's bytes into
 preallocated, pre-touched slabs three ways, warm page cache, same process, interleaved:

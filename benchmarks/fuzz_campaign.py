@@ -1,23 +1,23 @@
 """A longer fuzz campaign over header + index mutations, through the whole pipeline.
 
-Every input starts from the valid two-shard checkpoint of ``tests/test_fuzz.py`` (tiered-MoE
+Every input starts from the valid two-shard checkpoint of ``support/fuzz.py`` (tiered-MoE
 experts, dense, zero-size, scalar and bool tensors, an index), applies 1-3 mutations — the
-same mutators as the property tests, plus ``header_splice`` (bytes of the fuzzer's input
-spliced into a header at a fuzzer-chosen point) — and runs ``Checkpoint.open`` -> ``plan``
--> ``load``. Each input ends one of three ways:
+same mutators as the property tests (``tests/test_fuzz.py``), plus ``header_splice``
+(bytes of the fuzzer's input spliced into a header at a fuzzer-chosen point) — and runs
+``Checkpoint.open`` -> ``plan`` -> ``load``. Each input ends one of three ways:
 
 * ``accepted``: loaded, and bit-identical to what ``safetensors`` reads (when it accepts
   the files too; "accepted, reference refuses" is counted separately);
 * an :class:`asyncslab.AsyncSlabError` subclass (by name);
-* anything else: a **bug** (``KNOWN:<id>`` for the ones listed in ``test_fuzz.KNOWN_BUGS``).
+* anything else: a **bug** (``KNOWN:<id>`` for the ones listed in ``support.fuzz.KNOWN_BUGS``).
 
 Engines: ``atheris`` (coverage-guided libFuzzer over asyncslab's bytecode; its input bytes
 drive every choice a mutator makes) when importable, else ``random`` (seeded
 ``random.Random`` per input). The worker runs under an address-space limit and writes its
 tallies to JSON every few seconds; the parent prints the table.
 
-    python benchmarks/fuzz_campaign.py --seconds 240            # atheris if installed
-    python benchmarks/fuzz_campaign.py --engine random --seconds 60 --json out.json
+    python -m benchmarks.fuzz_campaign --seconds 240            # atheris if installed
+    python -m benchmarks.fuzz_campaign --engine random --seconds 60 --json out.json
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Tally:
 def _header_splice(files: dict[str, bytes], rng: random.Random, payload: bytes) -> str:
     import struct
 
-    from tests import test_fuzz as fz
+    from support import fuzz as fz
 
     name = rng.choice(list(fz.SHARDS))
     blob = files[name]
@@ -163,7 +163,6 @@ class FdpRandom(random.Random):
 def worker(args: argparse.Namespace) -> None:
     limit = args.memory_gb << 30
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    sys.path.insert(0, str(ROOT))  # the tests package
     engine = args.engine
     tally = Tally(Path(args.tally), engine)
     if engine == "atheris":
@@ -171,7 +170,7 @@ def worker(args: argparse.Namespace) -> None:
 
         with atheris.instrument_imports(include=["asyncslab"]):
             import asyncslab  # noqa: F401
-        from tests import test_fuzz as fz
+        from support import fuzz as fz
 
         kinds = [*sorted(fz.MUTATORS), "header_splice"]
         fz.base_files()
@@ -209,7 +208,7 @@ def worker(args: argparse.Namespace) -> None:
         finally:
             tally.dump()
     else:
-        from tests import test_fuzz as fz
+        from support import fuzz as fz
 
         kinds = [*sorted(fz.MUTATORS), "header_splice"]
         fz.base_files()
@@ -279,7 +278,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tally = Path(d) / "tally.json"
         command = [
-            sys.executable, __file__, "--worker", "--tally", str(tally),
+            sys.executable, "-m", "benchmarks.fuzz_campaign", "--worker", "--tally", str(tally),
             "--engine", args.engine, "--seconds", str(args.seconds), "--seed", str(args.seed),
             "--memory-gb", str(args.memory_gb),
         ]  # fmt: skip

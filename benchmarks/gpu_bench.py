@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """asyncslab on one CUDA device: load bandwidth against measured pinned H2D bandwidth.
 
-Self-contained: ``PYTHONPATH=<repo> python benchmarks/gpu_bench.py``. Without a CUDA device
-it prints ``no CUDA device: skipped`` and exits 0 (it is safe to import anywhere).
+Self-contained: ``python -m benchmarks.gpu_bench`` from the repository root (asyncslab need
+not be installed). Without a CUDA device it prints ``no CUDA device: skipped`` and exits 0
+(it is safe to import anywhere).
 
 What it does, in order (about 2-4 minutes on a 16-core H200 box at the default 20 GiB):
 

@@ -45,7 +45,7 @@ timeout -k 10 "${TEST_TIMEOUT:-200}" python3 -m pytest tests/loading/test_cuda.p
 tf_quick=--quick
 [ "${TF_QUICK:-1}" = 0 ] && tf_quick=
 if python3 -c "import transformers" 2>/dev/null; then
-  timeout -k 10 "${TF_TIMEOUT:-90}" python3 benchmarks/transformers_bench.py --device-check cuda \
+  timeout -k 10 "${TF_TIMEOUT:-90}" python3 -m benchmarks.transformers_bench --device-check cuda \
     --models "${TF_MODELS:-qwen3moe}" $tf_quick --rounds "${TF_ROUNDS:-3}" \
     --workdir /tmp/asyncslab-tf-gpu --json "$results/transformers_cuda.json" 2>&1 \
     | tee "$results/transformers_cuda.log"
@@ -53,19 +53,19 @@ else
   echo "transformers is not importable here: the transformers case skipped" \
     | tee "$results/transformers_cuda.log"
 fi
-timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 benchmarks/gpu_bench.py --size "${SIZE:-20GiB}" \
+timeout -k 10 "${BENCH_TIMEOUT:-300}" python3 -m benchmarks.gpu_bench --size "${SIZE:-20GiB}" \
   --json "$results/gpu_bench.json" 2>&1 | tee "$results/gpu_bench.log"
 # Block-wise FP8 MoE end to end in vLLM against auto (greedy tokens, the bytes after
 # load_weights), where vLLM is importable; it exits 1 if anything differs.
 if python3 -c "import vllm" 2>/dev/null; then
-  timeout -k 10 "${VLLM_FP8_TIMEOUT:-240}" python3 benchmarks/vllm_fp8_check.py \
+  timeout -k 10 "${VLLM_FP8_TIMEOUT:-240}" python3 -m benchmarks.vllm_fp8_check \
     --json "$results/vllm_fp8.json" 2>&1 | tee "$results/vllm_fp8.log"
 else
   echo "vLLM is not importable here: the FP8 end-to-end check skipped" | tee "$results/vllm_fp8.log"
 fi
 if [ "${VLLM_BENCH_TIMEOUT:-0}" -gt 0 ]; then
   if python3 -c "import vllm" 2>/dev/null; then
-    timeout -k 10 "$VLLM_BENCH_TIMEOUT" python3 benchmarks/vllm_bench.py --device cuda \
+    timeout -k 10 "$VLLM_BENCH_TIMEOUT" python3 -m benchmarks.vllm_bench --device cuda \
       --rounds 1 --json "$results/vllm_bench.json" 2>&1 | tee "$results/vllm_bench.log"
   else
     echo "vLLM is not importable here: benchmarks/vllm_bench.py skipped" | tee "$results/vllm_bench.log"

@@ -5,7 +5,7 @@ paced at 0.2 ms so a load takes ~10 ms and has ~60 reads), cancels it at a seede
 point — before its task ran, during thread start-up, after the k-th tensor landed, after a
 random delay, twice (the second cancel landing during the drain), through ``aclose()``, or
 through ``asyncio.timeout`` — then checks that no read is still in a thread, and runs a full
-load that must be bit-exact. The cancel modes are those of ``tests/helpers.py``.
+load that must be bit-exact. The cancel modes are those of ``support/faults.py``.
 
 Measured before (after a warm-up of ``--warmup`` cycles, so one-time costs such as malloc
 arenas of the first I/O threads are paid) and after: live threads (all, and
@@ -14,8 +14,8 @@ arenas of the first I/O threads are paid) and after: live threads (all, and
 storages; torch has no CPU allocator counter). Pinned (page-locked) memory is not used by a
 CPU load: N/A here; the CUDA staging buffers are the only user of pinned memory.
 
-    python benchmarks/leak_soak.py                     # 1,000 cycles on asyncio and uvloop
-    python benchmarks/leak_soak.py --cycles 200 --loop asyncio
+    python -m benchmarks.leak_soak                     # 1,000 cycles on asyncio and uvloop
+    python -m benchmarks.leak_soak --cycles 200 --loop asyncio
 """
 
 from __future__ import annotations
@@ -36,15 +36,12 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the tests package, for its fault helpers
-
-import asyncslab  # noqa: E402
-import asyncslab.testing  # noqa: E402
-from asyncslab import Checkpoint, LoadOptions, SlabSet, plan  # noqa: E402
-from asyncslab._os import proc_status  # noqa: E402
-from asyncslab.loading import _read as read_module  # noqa: E402
-from asyncslab.testing import SyntheticSpec  # noqa: E402
+import asyncslab
+import asyncslab.testing
+from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
+from asyncslab._os import proc_status
+from asyncslab.loading import _read as read_module
+from asyncslab.testing import SyntheticSpec
 
 OPTIONS = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=10.0)
 
@@ -119,12 +116,11 @@ async def settle_threads(limit: float = 5.0) -> None:
 async def soak(
     root: Path, cycles: int, warmup: int, seed: int, pace: float, path: str = "direct"
 ) -> dict[str, Any]:
-    from tests import helpers
-    from tests.loading import test_faults as tf  # its load options per path
+    from support import faults
 
     ckpt = Checkpoint.open(root)
     p = plan(ckpt)
-    expected = helpers.expected_bytes(ckpt)
+    expected = faults.expected_bytes(ckpt)
     fake = PacedOs(pace)
     saved = read_module.os, read_module._preadv_raw
     read_module.os = fake  # type: ignore[assignment]
@@ -144,8 +140,8 @@ async def soak(
                 before = snapshot()
                 trend.append((0, before["VmRSS KiB"]))
                 started = time.perf_counter()
-            mode = helpers.CANCEL_MODES[cycle % len(helpers.CANCEL_MODES)]
-            await helpers.cancel_somewhere(slabs, ckpt, rng, mode, tf.PATHS[path])
+            mode = faults.CANCEL_MODES[cycle % len(faults.CANCEL_MODES)]
+            await faults.cancel_somewhere(slabs, ckpt, rng, mode, faults.PATHS[path])
             if fake.in_flight:
                 problems.append(f"cycle {cycle} ({mode}): {fake.in_flight} reads still in flight")
             if mode == "aclose":

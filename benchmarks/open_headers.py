@@ -1,6 +1,6 @@
 """How long ``Checkpoint.open`` takes on a checkpoint of many tensors.
 
-    python benchmarks/open_headers.py [--tensors 1000000] [--files 64] [--runs 3]
+    python -m benchmarks.open_headers [--tensors 1000000] [--files 64] [--runs 3]
 
 Writes (once, into --dir) a checkpoint of --tensors tensors over --files files named like a
 tensor-parallel-sliced GLM-5.2 EXL3 checkpoint, each tensor 2 bytes so the headers dominate,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot ``asyncslab bench --json`` reports: one panel per mode, GB/s of every contender.
 
-    python benchmarks/plot.py RUN.json [--many-small MANY.json] -o docs/img/bench.png
+    python -m benchmarks.plot RUN.json [--many-small MANY.json] -o docs/img/bench.png
 
 Bars are the medians the bench's table prints (a contender skipped or not applicable in a
 mode has no bar); the label on each bar is its paired ratio to asyncslab from the same

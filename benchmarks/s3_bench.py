@@ -8,11 +8,11 @@ link, and from GCS's and Azure's emulators.
     # runai-model-streamer-gcs and their dependencies, then, runai's backends landing in
     # PEERS' copy of its lib folder:
     #   export PYTHONPATH=PEERS LD_LIBRARY_PATH=PEERS/runai_model_streamer/libstreamer/lib
-    python benchmarks/s3_bench.py [--rounds 3] [--models mixtral,exl3]
+    python -m benchmarks.s3_bench [--rounds 3] [--models mixtral,exl3]
         [--links local,remote,gcs,azure] [--contenders ...] [--exl3-size 3GiB] [--json OUT]
         [--quick]
 
-Starts SeaweedFS on 127.0.0.1 (``tests/s3server.py``, as the tests do) and uploads two
+Starts SeaweedFS on 127.0.0.1 (``support/s3server.py``, as the tests do) and uploads two
 checkpoints: the 1.47 GB Mixtral-like bfloat16 model of ``benchmarks/vllm_bench.py`` and a
 3 GiB EXL3-like one (``asyncslab bench``'s synthetic checkpoint). Both are written once into
 ``--workdir`` and reused. Every load runs in a fresh process, after one unmeasured load
@@ -46,7 +46,7 @@ of each model over each link, rounds interleaved (the order reversed every other
   ``FaultProxy`` of earlier runs (a new connection per request, every byte relayed by a
   Python event loop on the loaders' cores).
   ``gcs`` and ``azure`` are fake-gcs-server and Azurite on 127.0.0.1
-  (``tests/object_servers.py``), the Mixtral-like model only, reached by each cloud's own
+  (``support/object_servers.py``), the Mixtral-like model only, reached by each cloud's own
   variables (``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``): asyncslab and
   the raw bounds on both, runai-model-streamer on GCS (its Azure build cannot reach
   Azurite: the host is hard-coded).
@@ -78,11 +78,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the tests' server and the other benchmarks, imported below
-
-from tests.object_servers import AzuriteServer, GcsServer  # noqa: E402
-from tests.s3server import (  # noqa: E402
+from support.object_servers import AzuriteServer, GcsServer
+from support.s3server import (
     ACCESS_KEY,
     SECRET_KEY,
     FaultProxy,
@@ -107,7 +104,7 @@ VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
 CONTENDERS = (*LIBRARY, *VLLM)
 MODELS = ("mixtral", "exl3")
 LINKS = ("local", "remote", "gcs", "azure")
-#: How the remote link is emulated: ``tests/s3server.py``'s SpliceLink or FaultProxy.
+#: How the remote link is emulated: ``support/s3server.py``'s SpliceLink or FaultProxy.
 EMULATIONS = ("splice", "proxy")
 #: The links to the emulators (the Mixtral-like model only) and who runs there.
 EMULATED = {
@@ -143,7 +140,7 @@ def write_models(
         target = workdir / ("mixtral-quick" if quick else "mixtral-bench")
         if not (target / "config.json").exists():
             from benchmarks.vllm_bench import BENCH_MODEL
-            from tests.engines.vllm_models import write_model
+            from support.vllm_models import write_model
 
             print(f"writing the Mixtral-like model into {target} ...", flush=True)
             # As vllm_bench.py writes it (its BENCH_MODEL, 4 shards requested).
@@ -285,7 +282,6 @@ def child(contender: str, uri: str, link: Link, config: Path | None = None) -> d
     """One load of ``uri`` by ``contender`` in a fresh process (``config``: the model's
     local directory, for a loader that reads only the payload from ``uri``)."""
     env = dict(os.environ, **dict(link.env))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if contender in ("asyncslab", "asyncslab:obstore", "runai-model-streamer"):
         from asyncslab.cli._bench.worker import RESULT_MARK
 
@@ -297,7 +293,7 @@ def child(contender: str, uri: str, link: Link, config: Path | None = None) -> d
         command = [sys.executable, "-m", "asyncslab.cli._bench.worker", json.dumps(task)]
         mark = RESULT_MARK
     else:
-        command = [sys.executable, __file__, "--child", contender, "--uri", uri]
+        command = [sys.executable, "-m", "benchmarks.s3_bench", "--child", contender, "--uri", uri]
         if config is not None:
             command += ["--config", str(config)]
         mark = RESULT

@@ -1,6 +1,6 @@
 """What each stage costs per tensor, from about a thousand to about 300,000 tensors.
 
-    python benchmarks/scale_bench.py [--counts 1128,2256,...,288780] [--rounds 3]
+    python -m benchmarks.scale_bench [--counts 1128,2256,...,288780] [--rounds 3]
         [--stages library] [--dir DIR] [--json FILE] [--plot FILE.png]
 
 For each tensor count it writes (once, under --dir) an EXL3-like synthetic checkpoint of

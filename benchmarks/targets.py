@@ -3,7 +3,7 @@
 targets.
 
     asyncslab bench --json run.json
-    python benchmarks/targets.py run.json [more.json ...]
+    python -m benchmarks.targets run.json [more.json ...]
 
 The bench measures and reports (its table ends with the figures a run is summed up by, each
 under a key of its own in the report's ``figures``); what counts as good enough is the

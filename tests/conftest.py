@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
-from tests.object_servers import AzuriteServer, GcsServer
-from tests.s3server import SeaweedServer, upload
+from support.object_servers import AzuriteServer, GcsServer
+from support.s3server import SeaweedServer, upload
 
 _Server = TypeVar("_Server", SeaweedServer, GcsServer, AzuriteServer)
 
@@ -91,13 +91,13 @@ def s3_small(s3_server: SeaweedServer, small_checkpoint: SyntheticCheckpoint) ->
 
 @pytest.fixture(scope="session")
 def gs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
-    """fake-gcs-server on 127.0.0.1 for the session (``tests/object_servers.py``)."""
+    """fake-gcs-server on 127.0.0.1 for the session (``support/object_servers.py``)."""
     yield from _running(GcsServer(tmp_path_factory.mktemp("fake-gcs")))
 
 
 @pytest.fixture(scope="session")
 def az_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuriteServer]:
-    """Azurite's blob service on 127.0.0.1 for the session (``tests/object_servers.py``)."""
+    """Azurite's blob service on 127.0.0.1 for the session (``support/object_servers.py``)."""
     yield from _running(AzuriteServer(tmp_path_factory.mktemp("azurite")))
 
 

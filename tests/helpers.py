@@ -5,24 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib.util
 import os
-import random
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors import safe_open
 
 import asyncslab
-from asyncslab import Checkpoint, IncompleteLoadError, LoadOptions, SlabSet
+from asyncslab import Checkpoint, IncompleteLoadError, SlabSet
 from asyncslab.testing import verify_slabs
+from support.faults import HANG_S, expected_bytes, raw_bytes
 
 
 @contextlib.contextmanager
@@ -37,11 +32,6 @@ def loop_errors() -> Iterator[list[dict[str, Any]]]:
         yield logged
     finally:
         loop.set_exception_handler(previous)
-
-
-def raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """Bytes of a tensor, for bit-exact comparison (NaN bit patterns included)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def assert_bit_identical(slabs: asyncslab.SlabSet, checkpoint: asyncslab.Checkpoint) -> int:
@@ -83,11 +73,6 @@ def io_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("asyncslab-io")]
 
 
-HANG_S = 60.0
-"""A hang guard: how long a test waits for something that must happen before it calls it
-stuck. Never an assertion of speed: a correct run on a loaded machine is far within it."""
-
-
 async def until(condition: Callable[[], bool], limit: float = HANG_S) -> None:
     """Await ``condition()`` turning true, the loop running meanwhile (for a condition that
     a thread or another loop changes, which no asyncio.Event can report). ``limit`` is a
@@ -123,21 +108,6 @@ def staging_released(slabs: asyncslab.SlabSet) -> bool:
 
 
 # --- faults: what a broken or cancelled load must leave behind -------------------------
-
-_EXPECTED: dict[Path, dict[str, torch.Tensor]] = {}
-
-
-def expected_bytes(ckpt: Checkpoint) -> dict[str, torch.Tensor]:
-    """Raw bytes of every tensor as the reference reads them (cached per checkpoint)."""
-    key = ckpt.root.resolve()
-    if key not in _EXPECTED:
-        out = {}
-        for shard in ckpt.files:
-            with safe_open(shard.path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118
-                    out[name] = raw_bytes(f.get_tensor(name)).clone()
-        _EXPECTED[key] = out
-    return _EXPECTED[key]
 
 
 def assert_units_all_or_nothing(slabs: SlabSet, ckpt: Checkpoint) -> tuple[int, int]:
@@ -203,101 +173,3 @@ async def released(held: Callable[[], bool], limit: float = HANG_S) -> bool:
         if not held() or time.monotonic() >= deadline:
             return not held()
         await asyncio.sleep(0.01)
-
-
-async def cancel_somewhere(
-    slabs: SlabSet, ckpt: Checkpoint, rng: random.Random, mode: str, options: LoadOptions
-) -> None:
-    """One load, cancelled at a random point (it may finish first)."""
-
-    async def spin(n: int) -> None:
-        for _ in range(n):
-            await asyncio.sleep(0)
-
-    # Some right at the start (before the task ran, before a thread started), the rest
-    # spread over a paced load (~5-15 ms; an idle loop iteration takes ~5-10 us) and a
-    # little past it.
-    iterations = rng.randrange(4) if rng.random() < 0.2 else rng.randrange(3000)
-    delay = 0.0 if rng.random() < 0.1 else rng.uniform(0.0, 0.02)
-    if mode == "task.cancel":
-        task = slabs.start(ckpt, options=options)
-        await spin(iterations)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "landed":  # right after the k-th tensor landed: surely mid-load
-        k = rng.randrange(1, len(slabs.plan.routes))
-        started: list[asyncio.Task[SlabSet]] = []
-
-        # Cancelled from the progress report of the landing that reached k (nothing lands
-        # after a cancel): polling for it let the loop land on meanwhile, to the end of the
-        # load when the machine was busy.
-        def cancel_at_k(stats: asyncslab.LoadStatistics) -> None:
-            if stats.tensors_landed >= k and started and not started[0].cancelling():
-                started[0].cancel()
-
-        task = slabs.start(
-            ckpt, options=replace(options, progress_interval=0), progress=cancel_at_k
-        )
-        started.append(task)
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "delay":
-        task = slabs.start(ckpt, options=options)
-        await asyncio.sleep(delay)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "double-cancel":  # a second cancel lands while the load drains
-        task = slabs.start(ckpt, options=options)
-        await spin(iterations)
-        task.cancel()
-        await spin(rng.randrange(3))
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-    elif mode == "outer-task":  # the task awaiting slabs.load() is cancelled
-        outer = asyncio.ensure_future(slabs.load(ckpt, options=options))
-        await spin(iterations)
-        outer.cancel()
-        try:
-            await outer
-        except asyncio.CancelledError:
-            pass
-    elif mode == "timeout":
-        try:
-            async with asyncio.timeout(delay):
-                await slabs.load(ckpt, options=options)
-        except TimeoutError:
-            pass
-    elif mode == "aclose":
-        slabs.start(ckpt, options=options)
-        await spin(iterations)
-        await slabs.aclose()
-    else:  # pragma: no cover
-        raise AssertionError(mode)
-
-
-CANCEL_MODES = [
-    "task.cancel", "landed", "delay", "double-cancel", "outer-task", "timeout", "aclose",
-]  # fmt: skip
-
-
-def benchmark_script(name: str) -> Any:
-    """``benchmarks/<name>.py`` as a module (registered, as dataclasses need)."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module

@@ -15,7 +15,8 @@ from asyncslab import Checkpoint, LoadOptions, SlabSet, plan
 from asyncslab.loading import _copy
 from asyncslab.loading._read import pread_scatter
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import HANG_S, wait_io_threads_gone
+from support.faults import HANG_S
+from tests.helpers import wait_io_threads_gone
 
 
 def test_a_shard_the_index_names_but_is_absent_is_a_file_not_found(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "asyncslab"
 #: Folders a path in the docs may start from: the tree's, and the package's stages (a path
 #: such as ``loading/_read.py`` is read from the package).
-TOP = ("asyncslab", "benchmarks", "docs", "examples", "tests", ".ci")
+TOP = ("asyncslab", "benchmarks", "docs", "examples", "support", "tests", ".ci")
 STAGES = ("checkpoint", "planning", "loading", "engines", "distributed", "testing", "cli")
 #: The Markdown files scanned besides ``docs/*.md``.
 MARKDOWN = ("README.md", "CONTRIBUTING.md", "benchmarks/README.md")

@@ -213,3 +213,67 @@ def test_the_import_checks_see_a_later_stage_and_a_private_module(tmp_path: Path
     drawn = "x\n```\nasyncslab/\n  a.py _b/   under every stage\n  early/  x\n  late/   y\n```\n"
     assert drawn_stage_order(drawn) == ["early", "late"]
     assert drawn_foundation(drawn) == {"a", "_b"}
+
+
+# --- the tests and the benchmarks apart ----------------------------------------------------
+
+REPO = ROOT.parent
+#: What the benchmarks and the tests share lives in support/, which both import; the
+#: benchmarks never import the tests. None of them edits sys.path: pytest's ``pythonpath``
+#: option and ``python -m benchmarks.x`` from the repository root make both importable.
+APART = ("benchmarks", "support", "tests")
+
+
+def _is_test_code(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "tests" or any(part.startswith("test_") for part in parts)
+
+
+def _test_imports_and_path_edits(repo: Path) -> list[str]:
+    """Imports of the tests (``tests...`` or any ``test_*`` module) by the benchmarks or the
+    support package, and every use of ``sys.path`` under the three folders."""
+    wrong: list[tuple[Path, int, str]] = []
+    for folder in APART:
+        for path in sorted((repo / folder).rglob("*.py")):
+            where = path.relative_to(repo)
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Attribute) and node.attr == "path":
+                    if isinstance(node.value, ast.Name) and node.value.id == "sys":
+                        wrong.append((where, node.lineno, "uses sys.path"))
+                if folder == "tests":
+                    continue
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    modules = [node.module] if _is_test_code(node.module) else []
+                    modules += [f"{node.module}.{a.name}" for a in node.names if not modules]
+                elif isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                else:
+                    continue
+                wrong += [
+                    (where, node.lineno, f"imports {m}, test code")
+                    for m in modules
+                    if _is_test_code(m)
+                ]
+    return [f"{where}:{line}: {what}" for where, line, what in sorted(wrong)]
+
+
+def test_benchmarks_import_no_test_code_and_nothing_edits_sys_path() -> None:
+    wrong = _test_imports_and_path_edits(REPO)
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_apart_scan_sees_a_test_import_and_a_path_edit(tmp_path: Path) -> None:
+    for folder in APART:
+        (tmp_path / folder).mkdir()
+    (tmp_path / "benchmarks" / "b.py").write_text(
+        "import sys\nsys.path.insert(0, '.')\nfrom tests import helpers\n"
+        "from support import test_x\nimport tests.loading.test_faults\nfrom support import ok\n"
+    )
+    (tmp_path / "tests" / "t.py").write_text("import sys\nfrom tests import helpers\nsys.path\n")
+    assert _test_imports_and_path_edits(tmp_path) == [
+        "benchmarks/b.py:2: uses sys.path",
+        "benchmarks/b.py:3: imports tests, test code",
+        "benchmarks/b.py:4: imports support.test_x, test code",
+        "benchmarks/b.py:5: imports tests.loading.test_faults, test code",
+        "tests/t.py:3: uses sys.path",
+    ]

@@ -1,6 +1,6 @@
 """Opening checkpoints in object storage, against each real store the tests start: SeaweedFS
-(``s3://``, ``tests/s3server.py``), fake-gcs-server (``gs://``) and Azurite (``az://``,
-``tests/object_servers.py``): the same headers, rules and errors as local files, only headers
+(``s3://``, ``support/s3server.py``), fake-gcs-server (``gs://``) and Azurite (``az://``,
+``support/object_servers.py``): the same headers, rules and errors as local files, only headers
 read, every request pinned to the version listed, and no secret in any message."""
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from asyncslab.errors import (
     UnsafePathError,
 )
 from asyncslab.testing import SyntheticCheckpoint
-from tests.conftest import ObjectServer
-from tests.object_servers import (
+from support.object_servers import (
     AZURE_ACCOUNT,
     AZURE_KEY,
     PUBLIC_CONTAINER,
     AzuriteServer,
     GcsServer,
 )
-from tests.s3server import SECRET_KEY, Fault, Request, SeaweedServer
+from support.s3server import SECRET_KEY, Fault, Request, SeaweedServer
+from tests.conftest import ObjectServer
 
 ENV = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
 
@@ -443,7 +443,7 @@ def test_no_repr_shows_a_secret(object_server: ObjectServer, object_small: str) 
 
 
 def test_the_test_command_installs_the_azurite_the_fixture_names() -> None:
-    from tests.object_servers import AZURITE_VERSION
+    from support.object_servers import AZURITE_VERSION
 
     root = Path(__file__).parents[2]
     for name in ("README.md", ".ci/run"):
@@ -453,7 +453,7 @@ def test_the_test_command_installs_the_azurite_the_fixture_names() -> None:
 def test_a_missing_emulator_fails_under_ci_and_skips_elsewhere_naming_its_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tests.object_servers import AZURITE_VERSION, missing
+    from support.object_servers import AZURITE_VERSION, missing
 
     install = f"npm install --prefix .venv azurite@{AZURITE_VERSION}"
     monkeypatch.setenv("CI", "true")

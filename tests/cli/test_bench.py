@@ -31,7 +31,7 @@ from asyncslab.cli._bench.fixtures import write_many_small
 from asyncslab.cli._bench.worker import PEERS
 from asyncslab.loading._schedule import windows
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import benchmark_script
+from benchmarks import gpu_bench, plot, targets
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,6 @@ def test_run_prints_every_contender(smoke: dict[str, Any]) -> None:
 def test_targets_judge_the_figures_of_a_report(
     smoke: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    targets = benchmark_script("targets")
     report = tmp_path / "report.json"
     report.write_text(json.dumps(smoke["json"]))
     assert targets.main([str(report)]) == 0
@@ -224,7 +223,7 @@ def test_many_small_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     rates = {f["figure"]: f["measured"] for f in report["figures"]}
     assert set(rates) == {"many_small_dense_tensors_per_s", "many_small_stack_tensors_per_s"}
     assert all(rate > 0 for rate in rates.values())
-    verdicts = benchmark_script("targets").judge(report)
+    verdicts = targets.judge(report)
     assert [t["goal"] for t in verdicts] == [">= 200,000"] * 2
     assert all(t["ok"] is not None for t in verdicts)
 
@@ -237,7 +236,7 @@ def test_gpu_bench_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def _gpu_bench() -> Any:
-    return benchmark_script("gpu_bench")
+    return gpu_bench
 
 
 class _NoCuda:
@@ -450,11 +449,7 @@ def test_best_peer_target_pairs_the_fastest_peer_of_each_run_with_asyncslab() ->
     (best,) = [f for f in figures if f["label"].startswith("warm fresh: best peer")]
     assert best["figure"] == "fresh_best_peer_x_asyncslab"
     assert best["measured"] == 2.0  # median of 2/1, 8/2, 0.5/1
-    (verdict,) = [
-        t
-        for t in benchmark_script("targets").judge({"figures": figures})
-        if "best peer" in t["target"]
-    ]
+    (verdict,) = [t for t in targets.judge({"figures": figures}) if "best peer" in t["target"]]
     assert verdict["ok"] is True
     assert verdict["goal"] == "> 1 (asyncslab faster)"
     no_peers = bench_results.figures_of(
@@ -492,7 +487,7 @@ def test_peer_settings_hold_for_their_run_only(monkeypatch: pytest.MonkeyPatch) 
 
 
 def _plot_module() -> Any:
-    return benchmark_script("plot")
+    return plot
 
 
 def test_plot_draws_what_the_table_says(smoke: dict[str, Any], tmp_path: Path) -> None:
@@ -574,7 +569,7 @@ def test_the_table_says_what_asyncslab_times_leave_out_and_the_lag_by_time(
     assert re.search(r": \d+\.\d{3}$", ratio), ratio  # 1.1549 would read as 1.15
     report = tmp_path / "report.json"
     report.write_text(json.dumps(smoke["json"]))
-    assert benchmark_script("targets").main([str(report)]) == 0
+    assert targets.main([str(report)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if "(goal" in line]
     ratio = next(line for line in lines if "asyncslab / bound-N (fresh)" in line)
     assert re.search(r": \d+\.\d{3} \(goal", ratio), ratio  # 1.15 rounded could be a MISS
@@ -638,7 +633,7 @@ def test_cold_is_not_judged_when_the_drop_left_the_shards_cached(tmp_path: Path)
     # six tries, and the cold target was judged on warm reads.
     runs = [{"asyncslab": {"seconds": 1.0, "cached_after_drop": 1.0}, "bound-N": {"seconds": 1.0}}]
     summary = {"cold": {"asyncslab": {"x_best_bound": 1.0}}}
-    judge = benchmark_script("targets").judge
+    judge = targets.judge
 
     def cold_verdict() -> tuple[dict[str, Any], dict[str, Any]]:
         figures = bench_results.figures_of(summary, {"cold": runs}, [], 1)
@@ -675,7 +670,7 @@ def test_the_leak_soak_runs(tmp_path: Path) -> None:
     # It called a test helper whose signature had changed, and crashed on its first cycle
     # while docs/robustness.md showed its output as reproducible.
     out = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "leak_soak.py"), "--cycles", "6",
+        [sys.executable, "-m", "benchmarks.leak_soak", "--cycles", "6",
          "--warmup", "2", "--loop", "asyncio"],
         capture_output=True, text=True, check=False, cwd=REPO, timeout=110,
     )  # fmt: skip

@@ -11,9 +11,9 @@ import pytest
 from asyncslab import Checkpoint
 from asyncslab.cli._main import main
 from asyncslab.testing import SyntheticCheckpoint
+from support.object_servers import AzuriteServer, GcsServer
+from support.s3server import SeaweedServer
 from tests.conftest import ObjectServer
-from tests.object_servers import AzuriteServer, GcsServer
-from tests.s3server import SeaweedServer
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ from asyncslab.distributed import _sources as sources
 from asyncslab.distributed import rank_plan
 from asyncslab.errors import DistributedLoadError
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec
-from tests.helpers import HANG_S, raw_bytes
+from support.faults import HANG_S, raw_bytes
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

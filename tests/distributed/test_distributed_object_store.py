@@ -1,6 +1,6 @@
 """Distributed loads of a checkpoint in object storage: real gloo groups of spawned ranks
 (``test_distributed._spawn``) reading from the real stores the tests start: SeaweedFS
-(``tests/s3server.py``), fake-gcs-server and Azurite (``tests/object_servers.py``).
+(``support/s3server.py``), fake-gcs-server and Azurite (``support/object_servers.py``).
 
 Each rank opens the checkpoint through a fault-injecting proxy of its own, started in its
 own process, so that the requests that proxy records are that rank's and no other's: the
@@ -29,11 +29,11 @@ from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _sources as sources
 from asyncslab.distributed import rank_plan
 from asyncslab.testing import SyntheticCheckpoint
+from support.faults import HANG_S, raw_bytes
+from support.object_servers import SIGNED_QUERY, attached
+from support.s3server import Fault, FaultProxy, Request, SeaweedServer
 from tests.conftest import ObjectServer
 from tests.distributed.test_distributed import _error, _spawn
-from tests.helpers import HANG_S, raw_bytes
-from tests.object_servers import SIGNED_QUERY, attached
-from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.engines.vllm_models import CONFIGS, VOCAB, _tokenizer, random_model
+from support.vllm_models import CONFIGS, VOCAB, _tokenizer, random_model
 
 _SIZES: dict[str, Any] = {
     # Every quantized layer's input width (128, or 256 for Llama's down_proj) is a multiple

@@ -64,8 +64,8 @@ def write_modelopt_model(root: Path, arch: str, algo: str, *, seed: int = 0) -> 
     import modelopt.torch.quantization as mtq
     import transformers
 
+    from support.vllm_models import _tokenizer
     from tests.engines.compressed_models import ARCHS, float_model
-    from tests.engines.vllm_models import _tokenizer
 
     model = float_model(arch, seed)
     model.config.architectures = [ARCHS[arch][0]]  # the export reads it; a config lacks it

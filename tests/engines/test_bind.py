@@ -27,7 +27,7 @@ from asyncslab import (
     plan,
 )
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import raw_bytes
+from support.faults import raw_bytes
 
 LAYER = 1  # the synthetic checkpoint's first MoE layer (first_dense=1)
 PREFIX = f"model.layers.{LAYER}."

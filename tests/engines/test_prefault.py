@@ -17,7 +17,7 @@ import torch
 
 from asyncslab._os import MADV_POPULATE_WRITE, libc_madvise
 from asyncslab.engines._prefault import Prefault
-from tests.helpers import HANG_S
+from support.faults import HANG_S
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, Linux")
 

@@ -25,8 +25,9 @@ from safetensors.torch import save_file
 import asyncslab
 from asyncslab.engines import _stream
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import open_fds, raw_bytes
-from tests.s3server import SeaweedServer
+from support.faults import raw_bytes
+from support.s3server import SeaweedServer
+from tests.helpers import open_fds
 
 
 def _write(root: Path, shards: int = 3, per_shard: int = 6) -> asyncslab.Checkpoint:

@@ -1,5 +1,5 @@
 """``asyncslab.transformers.from_pretrained("s3://...")`` against a real S3 server (SeaweedFS
-on 127.0.0.1, ``tests/s3server.py``): the config and generation config fetched by
+on 127.0.0.1, ``support/s3server.py``): the config and generation config fetched by
 asyncslab's own client, the weights read with ranged GETs straight into the parameters,
 the model bit-identical to transformers' ``from_pretrained`` of the same files (which
 cannot read ``s3://`` at all)."""
@@ -12,9 +12,9 @@ import pytest
 
 import asyncslab.transformers as ast
 from asyncslab.errors import CoverageError, MissingFileError
+from support.s3server import SeaweedServer, upload
 from tests.engines.test_transformers import _drop, _rewrite, assert_same_model
 from tests.engines.transformers_models import build, save
-from tests.s3server import SeaweedServer, upload
 
 transformers = pytest.importorskip("transformers")
 

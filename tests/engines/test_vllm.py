@@ -16,7 +16,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.engines.vllm_models import (
+from support.ports import free_port
+from support.vllm_models import (
     QUANTIZED_LINEARS,
     write_awq_model,
     write_gptq_model,
@@ -53,7 +53,9 @@ pytestmark = [
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
+    # The workers run as scripts: their siblings (HERE) and ``support`` (the root) importable.
+    paths = [str(HERE), str(HERE.parents[1]), *filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
@@ -624,13 +626,6 @@ def test_each_tensor_parallel_rank_reads_only_its_own_part(
     assert all(r["transformed"] == [] for r in reports)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _serve(model: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -683,7 +678,7 @@ def test_the_openai_server_loads_with_it_and_answers(
 ) -> None:
     import httpx
 
-    port, log = _free_port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     server = _serve(models["mixtral"], port, log)
     try:
         _wait_healthy(server, port, log)
@@ -708,7 +703,7 @@ def test_a_server_on_a_broken_checkpoint_exits_with_asyncslabs_message(
 ) -> None:
     broken = _rewrite(models["llama"], tmp_path / "broken", lambda t: t.pop(MISSING))
     log = tmp_path / "server.log"
-    server = _serve(broken, _free_port(), log)
+    server = _serve(broken, free_port(), log)
     try:
         code = server.wait(timeout=600)
     finally:
@@ -729,7 +724,7 @@ def test_the_time_to_ready_benchmark_serves_both_formats(
     own figures for the weights and the engine's start are read from its log."""
     run = subprocess.run(
         [
-            sys.executable, str(HERE.parents[1] / "benchmarks" / "vllm_serve_bench.py"),
+            sys.executable, "-m", "benchmarks.vllm_serve_bench",
             "--model", str(models["mixtral"]), "--rounds", "1", "--eager",
             "--json", str(tmp_path / "s.json"),
         ],
@@ -757,7 +752,7 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
     has every phase and a row per path."""
     run = subprocess.run(
         [
-            sys.executable, str(HERE.parents[1] / "benchmarks" / "vllm_bench.py"),
+            sys.executable, "-m", "benchmarks.vllm_bench",
             "--model", str(models["mixtral"]), "--rounds", "1", "--paths", "warm,cold,reload,model",
             "--only", "auto,asyncslab,bound-preadv-fresh", "--json", str(tmp_path / "b.json"),
         ],

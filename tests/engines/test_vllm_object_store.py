@@ -1,6 +1,6 @@
 """``--load-format asyncslab`` with a model in object storage (``s3://bucket/prefix``), against
-real vLLM (its CPU build) and a real S3 server (SeaweedFS, ``tests/s3server.py``), and from
-``gs://`` and ``az://`` (fake-gcs-server, Azurite: ``tests/object_servers.py``): vLLM gets
+real vLLM (its CPU build) and a real S3 server (SeaweedFS, ``support/s3server.py``), and from
+``gs://`` and ``az://`` (fake-gcs-server, Azurite: ``support/object_servers.py``): vLLM gets
 the config and tokenizer pulled by asyncslab's client, asyncslab streams the weights from the
 bucket straight into vLLM's parameters (every byte and the greedy tokens equal ``auto``'s from
 the same model's local files), request options reach the GETs, a missing tensor is refused
@@ -25,21 +25,21 @@ import pytest
 
 from asyncslab.engines._vllm_object_store import pull_config
 from asyncslab.errors import MissingFileError
+from support.object_servers import AzuriteServer, GcsServer
+from support.ports import free_port
+from support.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload
+from support.vllm_models import write_model
 from tests.conftest import ObjectServer
 from tests.engines.test_vllm import (
     HERE,
     MISSING,
     _env,
-    _free_port,
     _log_excerpt,
     _rewrite,
     _stop,
     _wait_healthy,
 )
 from tests.engines.test_vllm import pytestmark as vllm_marks
-from tests.engines.vllm_models import write_model
-from tests.object_servers import AzuriteServer, GcsServer
-from tests.s3server import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedServer, upload
 
 pytestmark = vllm_marks
 
@@ -234,7 +234,7 @@ def test_the_openai_server_serves_an_s3_model(
     vllm.entrypoints.openai.api_server``): served under the URI, loaded by asyncslab, and
     its greedy completion is the one ``auto`` gives from the local files."""
     uri = f"{PREFIX}/mixtral"
-    port, log = _free_port(), tmp_path / "server.log"
+    port, log = free_port(), tmp_path / "server.log"
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", uri,
         "--load-format", "asyncslab", "--host", "127.0.0.1", "--port", str(port),

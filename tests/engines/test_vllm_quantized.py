@@ -9,8 +9,8 @@ gpt-oss's MXFP4; ``compressed_models.py`` by the compressed-tensors library itse
 gpt-oss). This CPU has no AMX and vLLM's CPU
 build has no NVFP4 kernel, so most of these formats cannot be served here: their models are
 created with vLLM's kernel selection told the kernel is eligible
-(``vllm_worker._select_kernels_without_running_them``), loaded by both formats and compared
-before ``process_weights_after_loading``, where the kernels would first run.
+(``support.vllm_kernels.select_kernels_without_running_them``), loaded by both formats and
+compared before ``process_weights_after_loading``, where the kernels would first run.
 
 Static FP8 on a MoE is the case of ``docs/vllm.md``'s "Parameters several tensors write":
 each expert's ``gate_proj.input_scale`` and ``up_proj.input_scale`` both write its one
@@ -30,6 +30,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from support.quantized_models import (
+    write_fp8_block_model,
+    write_fp8_tensor_model,
+    write_modelopt_fp8_model,
+    write_modelopt_nvfp4_model,
+    write_mxfp4_model,
+)
 from tests.engines.compressed_models import (
     write_fp8_model,
     write_nvfp4_model,
@@ -37,13 +44,6 @@ from tests.engines.compressed_models import (
     write_w8a8_int8_model,
 )
 from tests.engines.modelopt_models import write_modelopt_models
-from tests.engines.quantized_models import (
-    write_fp8_block_model,
-    write_fp8_tensor_model,
-    write_modelopt_fp8_model,
-    write_modelopt_nvfp4_model,
-    write_mxfp4_model,
-)
 from tests.engines.test_vllm import _assert_greedy_equal, _worker
 from tests.engines.test_vllm import pytestmark as vllm_marks
 

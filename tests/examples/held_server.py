@@ -2,7 +2,7 @@
 test sees the load under way, part of its bytes landed, for sure: a paced load alone
 leaves that to how busy the machine is.
 
-    python tests/examples/held_server.py HOLD_AFTER_READS SERVER_ARGS...
+    PYTHONPATH=examples python tests/examples/held_server.py HOLD_AFTER_READS SERVER_ARGS...
 
 The first ``HOLD_AFTER_READS`` reads run; every later one waits until a line arrives on
 stdin (or stdin closes: a test that dies lets the server go). Closing the slabs also lets
@@ -55,6 +55,5 @@ def hold(after: int) -> None:
 
 if __name__ == "__main__":
     hold(int(sys.argv[1]))
-    sys.path.insert(0, str(EXAMPLES))  # as when the server runs as a script: its modules
     sys.argv = [str(EXAMPLES / "server.py"), *sys.argv[2:]]
     runpy.run_path(sys.argv[0], run_name="__main__")

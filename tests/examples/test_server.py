@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,10 +32,10 @@ from asyncslab.testing._synthetic import spec_for_size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-import moe_block  # noqa: E402
+import moe_block  # noqa: E402 - examples/ is on the tests' path (pyproject's pythonpath)
 from server import PACED_READ_SIZE  # noqa: E402
+
+from support.ports import free_port  # noqa: E402
 
 SIZE = 8 << 20
 RATE_MB_PER_S = 8  # an 8 MiB checkpoint loads in about a second, in 64 KiB reads
@@ -68,12 +67,6 @@ HEALTH_KEYS: dict[str, type | tuple[type, ...]] = {
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> SyntheticCheckpoint:
     """An ~8 MiB tiered MoE checkpoint, shared read-only by the tests of this module."""
     return write_synthetic(tmp_path_factory.mktemp("served"), spec_for_size(SIZE))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:
@@ -144,7 +137,11 @@ def run_server(
     ]
     with out.open("wb") as fout, err.open("wb") as ferr:
         stdin = subprocess.PIPE if held else subprocess.DEVNULL
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=stdin, stdout=fout, stderr=ferr)
+        # examples/ first on the path, as for any script of that folder (the held server
+        # runs examples/server.py from its own file).
+        path = os.pathsep.join([str(EXAMPLES), *filter(None, [os.environ.get("PYTHONPATH")])])
+        env = {**os.environ, "PYTHONPATH": path}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=stdin, stdout=fout, stderr=ferr)
     server = Server(proc, f"http://127.0.0.1:{port}", out, err)
     try:
         yield server

@@ -15,7 +15,8 @@ import asyncslab
 from asyncslab import Checkpoint, LoadOptions, SlabSet, load, plan
 from asyncslab._heap import gc_paused
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import assert_bit_identical, raw_bytes, slow_reads, staging_released
+from support.faults import raw_bytes
+from tests.helpers import assert_bit_identical, slow_reads, staging_released
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.cuda]
 

@@ -44,13 +44,17 @@ from asyncslab.loading import _read as read_module
 from asyncslab.loading import _strategy_staged as _staged
 from asyncslab.loading._read import pread_scatter, scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
-from tests.helpers import (
+from support.faults import (
     CANCEL_MODES,
     HANG_S,
-    assert_bit_exact,
-    assert_units_all_or_nothing,
+    PATHS,
+    SMALL,
     cancel_somewhere,
     expected_bytes,
+)
+from tests.helpers import (
+    assert_bit_exact,
+    assert_units_all_or_nothing,
     open_fds,
     released,
     wait_io_threads_gone,
@@ -59,19 +63,6 @@ from tests.helpers import (
 CANCEL_CYCLES = int(os.environ.get("ASYNCSLAB_CANCEL_CYCLES", "50"))
 # Loop turns each paced read waits for (see test_cancel_at_random_points_leaks_nothing).
 READ_TURNS = 60
-# Many small reads: every load below takes dozens of awaits, so faults and cancellations
-# land in the middle of it.
-SMALL = LoadOptions(read_size=4 << 10, coalesce_gap=128, io_workers=3, read_timeout=HANG_S)
-# The same through the staging buffers and copies a GPU target uses (on the CPU here): the
-# same reads, by as many threads.
-SMALL_STAGED = LoadOptions(
-    transfer="staged",
-    staging_bytes=3 * (4 << 10),
-    staging_buffers=3,
-    coalesce_gap=128,
-    read_timeout=HANG_S,
-)
-PATHS = {"direct": SMALL, "staged": SMALL_STAGED}
 
 
 # --- fixtures and helpers ----------------------------------------------------------------

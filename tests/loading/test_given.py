@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from asyncslab import Checkpoint, LoadOptions, PlanError, SlabSet, TensorInfo, plan
 from asyncslab.errors import CoverageError
 from asyncslab.rules import Claim, SlabSpec, make_route
-from tests.helpers import raw_bytes
+from support.faults import raw_bytes
 
 
 def _checkpoint(tmp_path: Path) -> tuple[Checkpoint, dict[str, torch.Tensor]]:

@@ -31,15 +31,8 @@ from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import pread_scatter
 from asyncslab.planning import route_column
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
-from tests.helpers import (
-    HANG_S,
-    assert_bit_identical,
-    io_threads,
-    loop_errors,
-    open_fds,
-    slow_reads,
-    until,
-)
+from support.faults import HANG_S
+from tests.helpers import assert_bit_identical, io_threads, loop_errors, open_fds, slow_reads, until
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

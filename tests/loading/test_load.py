@@ -28,13 +28,12 @@ from asyncslab.errors import ReadError
 from asyncslab.loading import _copy as copy_module
 from asyncslab.loading._read import Scatter, pread_scatter, scatter
 from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, write_synthetic
+from support.faults import HANG_S, raw_bytes
 from tests.helpers import (
-    HANG_S,
     assert_bit_identical,
     io_threads,
     loop_errors,
     open_fds,
-    raw_bytes,
     slow_reads,
     staging_released,
     wait_io_threads_gone,

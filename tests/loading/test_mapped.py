@@ -37,12 +37,10 @@ from asyncslab.loading import _strategy_mapped as _mapped
 from asyncslab.loading._options import resolve_transfer
 from asyncslab.loading._schedule import ReadOp, windows
 from asyncslab.testing import SyntheticCheckpoint
+from support.faults import CANCEL_MODES, HANG_S, cancel_somewhere
 from tests.helpers import (
-    CANCEL_MODES,
-    HANG_S,
     assert_bit_exact,
     assert_bit_identical,
-    cancel_somewhere,
     open_fds,
     released,
     wait_io_threads_gone,

@@ -1,6 +1,6 @@
 """Loads from object storage against the real stores the tests start (SeaweedFS, and where
 the behaviour is the store's, fake-gcs-server and Azurite too), faults through the proxy of
-``tests/s3server.py``: bit-exact slabs, the bytes in flight bounded, every GET pinned to the
+``support/s3server.py``: bit-exact slabs, the bytes in flight bounded, every GET pinned to the
 version opened, progress, readiness, reload in place, and every fault a clear error with
 nothing left behind."""
 
@@ -21,10 +21,10 @@ import asyncslab
 from asyncslab import Checkpoint, LoadOptions, Plan, SlabSet, load
 from asyncslab.errors import FileChangedError, IncompleteLoadError, ReadError, ReadTimeoutError
 from asyncslab.testing import SyntheticCheckpoint
+from support.object_servers import AZURE_ACCOUNT, PUBLIC_CONTAINER, SIGNED_QUERY, AzuriteServer
+from support.s3server import Fault, FaultProxy, Request, SeaweedServer
 from tests.conftest import ObjectServer
 from tests.helpers import assert_units_all_or_nothing, until, wait_io_threads_gone
-from tests.object_servers import AZURE_ACCOUNT, PUBLIC_CONTAINER, SIGNED_QUERY, AzuriteServer
-from tests.s3server import Fault, FaultProxy, Request, SeaweedServer
 
 pytestmark = pytest.mark.asyncio
 

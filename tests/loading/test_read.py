@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from asyncslab import Checkpoint, Dense, LoadOptions, SlabSet, plan
 from asyncslab.loading import _read as read_module
 from asyncslab.loading._read import IoPool, pread_scatter, scatter
-from tests.helpers import HANG_S, assert_bit_identical
+from support.faults import HANG_S
+from tests.helpers import assert_bit_identical
 
 PIECES = 2500
 

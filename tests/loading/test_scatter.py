@@ -26,7 +26,7 @@ from asyncslab.errors import ReadError
 from asyncslab.loading import _read as read_module
 from asyncslab.loading._read import ReadFeed, pread_scatter, scatter
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import HANG_S
+from support.faults import HANG_S
 
 
 def regions_in(

