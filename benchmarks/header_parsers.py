@@ -17,11 +17,10 @@ names and files), with the same acceptance: what it cannot settle (a repeated ke
 an escape it would read otherwise) it declines, for the general parser to decide, as the
 hand-written one does.
 
-The first row is asyncslab's own fast reader, whichever the tree has. For the index that is
-the hand-written whole-text reader (``_weight_map_compact``). For a header it is the
-hand-written one (``parse_compact``) up to 2026-12-07, when the msgspec reader measured here
-replaced it (``parse_typed``); run this file with ``PYTHONPATH`` at an older tree to
-measure the hand-written one. Ratios are to that row, ``hand-written`` or ``asyncslab``.
+The first row is asyncslab's own fast reader: for the index the hand-written whole-text
+reader (``_weight_map_compact``), for a header the hand-written one (``parse_compact``).
+Ratios are to that row. (msgspec alone measured even with it on a header, but made
+``Checkpoint.open`` slower: benchmarks/runs/2026-12-07-1338-header-parsers.md.)
 
 The readers. headers: asyncslab's, ``general (json)`` (``parse_general``),
 ``orjson`` (``orjson.loads``, then columns by ``map``), ``msgspec`` (``msgspec.json`` into a
@@ -359,10 +358,9 @@ def general_index(text: str) -> tuple[list[str], list[str]]:
     return list(wm), list(wm.values())
 
 
-# The hand-written header reader where the tree still has it, else the one that replaced it.
-_FAST_HEADER: Reader = getattr(_header_parse, "parse_compact", None) or _header_parse.parse_typed
+_FAST_HEADER: Reader = _header_parse.parse_compact
 _FAST_INDEX: Reader = _index._weight_map_compact
-OURS = "hand-written" if _FAST_HEADER.__name__ == "parse_compact" else "asyncslab"
+OURS = "hand-written"
 
 HEADER_READERS: dict[str, Reader] = {
     OURS: _FAST_HEADER,

@@ -33,7 +33,7 @@ from ..errors import (
     HeaderTooLargeError,
     PayloadSizeError,
 )
-from ._header_parse import Kind, parse_general, parse_typed
+from ._header_parse import Kind, parse_compact, parse_general
 from ._source import ByteSource, ObjectLocation
 
 __all__ = [
@@ -121,7 +121,7 @@ def _parse(
     except UnicodeDecodeError as err:
         raise HeaderEncodingError(f"header is not UTF-8: {err}", file=path) from None
     data_start = 8 + len(header)
-    columns = parse_typed(text)
+    columns = parse_compact(text)
     if columns is None:
         columns = parse_general(text, path)
     c = columns
