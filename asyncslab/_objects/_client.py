@@ -48,6 +48,13 @@ def client(spec: StoreSpec, timeout: float | None = None, *, retry: bool = True)
     load's requests share its connection pool). ``timeout``: seconds a whole request (its
     body included) may take. ``retry`` False: the client retries nothing, for a caller that
     retries itself within a deadline (the client's retries would multiply its timeout)."""
+    try:
+        import obstore  # noqa: F401
+    except ImportError as err:  # an extra of the package, not a dependency
+        raise ImportError(
+            f"{spec.scheme}://{spec.bucket} needs obstore, the object-store client: "
+            "pip install 'asyncslab[s3]'"
+        ) from err
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)))
     return _client(spec, timeout, retry, env)
 

@@ -85,12 +85,6 @@ class Found:
 def open_objects(uri: str, storage_options: Mapping[str, object]) -> Found:
     """The checkpoint at ``uri``: a prefix (its ``*.safetensors`` and index), an index, or
     one object."""
-    try:
-        import obstore  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            f"opening {uri} needs obstore, the object-store client: pip install 'asyncslab[s3]'"
-        ) from err
     spec, key = bucket_of(uri, storage_options)
     store = client(spec)
     if key.endswith(".json") and not key.endswith(INDEX_SUFFIX):
