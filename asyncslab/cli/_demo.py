@@ -18,13 +18,8 @@ from .._units import format_bytes, format_duration
 from ..checkpoint import Checkpoint
 from ..loading import LoadOptions
 from ..planning import Plan
-from ..testing._synthetic import (
-    SyntheticCheckpoint,
-    SyntheticSpec,
-    payload_bytes,
-    spec_for_size,
-    write_synthetic,
-)
+from ..testing import spec_for_size
+from ..testing._synthetic import SyntheticCheckpoint, SyntheticSpec, payload_bytes, write_synthetic
 from ._common import PROG, UsageError, bytes_exact, out, stderr_line
 from ._inspect import checkpoint_info, files_table, open_and_plan, plan_rows, tier_table
 from ._load import result_rows, run_load

@@ -5,9 +5,9 @@ what ``safetensors`` reads, byte for byte. Not imported by ``import asyncslab``.
 """
 
 from .._public import publish as _publish
+from ._sizing import spec_for_size as spec_for_size
 from ._synthetic import SyntheticCheckpoint as SyntheticCheckpoint
 from ._synthetic import SyntheticSpec as SyntheticSpec
-from ._synthetic import spec_for_size as spec_for_size
 from ._synthetic import write_synthetic as write_synthetic
 from ._verify import VerifyResult as VerifyResult
 from ._verify import verify_slabs as verify_slabs

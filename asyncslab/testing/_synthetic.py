@@ -6,60 +6,48 @@ per-expert bit width, experts split over shard files, optional tensor-parallel
 pre-slicing) without shipping or downloading real weights. Everything here is a
 pure function of the :class:`SyntheticSpec`, so two writes of one spec are
 byte-identical and a test can recompute what it expects instead of storing it.
+
+Here: the spec, the layout (which tensors, their shapes, tiers and shards) and the writer.
+What each tensor holds is ``_fill``'s; the shape for a size in bytes, ``_sizing``'s.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
 import math
 import os
 import random
 import types
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from safetensors.torch import save_file
 
+from ._fill import MCG_MARKER, MUL1_MARKER, Kind, fill_pattern, fill_random, tensor_key
+
 __all__ = [
+    "LOW_TIER_SHARE",
     "SyntheticCheckpoint",
     "SyntheticSpec",
+    "estimated_bytes",
     "expected_tensors",
     "payload_bytes",
-    "spec_for_size",
     "write_synthetic",
 ]
-
-_MiB = 1 << 20
-_GiB = 1 << 30
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
 _ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 # Share of each MoE layer's experts put on the lowest tier: GLM-4.x EXL3 mixes
 # put 148 of 256 experts at 3 bits, so this keeps tier populations realistic.
-_LOW_TIER_SHARE = 0.58
-
-# Arbitrary but fixed marker values. They are not randomised so that a loader
-# test can check it read the right bytes for the 4-byte marker tensors, which
-# are too small to be distinguished reliably by random content.
-MCG_MARKER = 0x4AFEF00D
-MUL1_MARKER = 0x03DCD12D
+LOW_TIER_SHARE = 0.58
 
 # Dtypes the random fill can sample directly (CPU normal_ has no float8 kernel).
 _DENSE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-# Above this size random fill (torch's samplers, far slower than writing the files)
-# becomes the bottleneck, so spec_for_size switches to the pattern fill (rates in
-# docs/performance.md).
-_PATTERN_ABOVE = 256 * _MiB
-# Largest file spec_for_size aims for, so multi-GB checkpoints are written (and
-# held in memory) one ~1 GiB shard at a time.
-_MAX_SHARD_BYTES = _GiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +139,7 @@ class _Entry:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    kind: Literal["dense", "norm", "trellis", "scale", "mcg", "mul1"]
+    kind: Kind
     group: tuple[int, int] | None = None  # (layer, expert) for routed-expert tensors
     proj: str | None = None
 
@@ -190,7 +178,7 @@ def _draw_tiers(spec: SyntheticSpec) -> dict[int, dict[int, int]]:
     for layer in _moe_layers(spec):
         draw = {}
         for expert in range(spec.n_experts):
-            if not higher or rng.random() < _LOW_TIER_SHARE:
+            if not higher or rng.random() < LOW_TIER_SHARE:
                 draw[expert] = low
             else:
                 draw[expert] = rng.choice(higher)
@@ -260,7 +248,7 @@ def expected_tensors(spec: SyntheticSpec) -> dict[str, tuple[torch.dtype, tuple[
     return {e.name: (e.dtype, e.shape) for e in _layout(spec, _draw_tiers(spec))}
 
 
-def _bytes_for(spec: SyntheticSpec, bits_sum_per_layer: Sequence[float]) -> float:
+def estimated_bytes(spec: SyntheticSpec, bits_sum_per_layer: Sequence[float]) -> float:
     """Closed-form payload size, so spec_for_size can search without materialising layouts.
 
     ``bits_sum_per_layer[i]`` is the sum of expert bit widths in the i-th MoE layer
@@ -285,7 +273,7 @@ def _bytes_for(spec: SyntheticSpec, bits_sum_per_layer: Sequence[float]) -> floa
 def payload_bytes(spec: SyntheticSpec) -> int:
     """The tensor bytes :func:`write_synthetic` writes for ``spec``, from its layout alone."""
     tiers = _draw_tiers(spec)
-    return int(_bytes_for(spec, [sum(t.values()) for t in tiers.values()]))
+    return int(estimated_bytes(spec, [sum(t.values()) for t in tiers.values()]))
 
 
 # --------------------------------------------------------------------------- sharding
@@ -342,77 +330,16 @@ def _shard_names(n_shards: int) -> list[str]:
 
 # --------------------------------------------------------------------------- content
 
-# Odd 64-bit multipliers (golden ratio and a splitmix constant), as signed int64.
-_K_WORD = 0x9E3779B97F4A7C15 - (1 << 64)
-_K_BLOCK = 0xD1B54A32D192ED03 - (1 << 64)
-_PATTERN_BLOCK = 1 << 16  # words; 512 KiB of int64 stays in cache while broadcasting
-_pattern_base: torch.Tensor | None = None
-
-
-def _tensor_key(seed: int, name: str) -> int:
-    """64-bit key from (seed, name): stable across processes and platforms, unlike hash()."""
-    digest = hashlib.blake2b(f"{seed}\x00{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def _fill_random(entry: _Entry, key: int, dense_dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(key & 0x7FFFFFFFFFFFFFFF)
-    if entry.kind == "trellis":
-        return torch.randint(-32768, 32768, entry.shape, dtype=torch.int16, generator=g)
-    # Sampled straight in the target dtype with mean/std applied by the sampler:
-    # no float32 temporaries (fresh pages are costly) and no separate
-    # multithreaded scaling pass (its OpenMP barrier stalls on a busy machine).
-    if entry.kind == "scale":
-        return torch.normal(0.0, 1.0, entry.shape, generator=g, dtype=torch.float16)
-    if entry.kind == "norm":
-        return torch.normal(1.0, 0.01, entry.shape, generator=g, dtype=dense_dtype)
-    return torch.normal(0.0, 0.02, entry.shape, generator=g, dtype=dense_dtype)
-
-
-def _fill_pattern(entry: _Entry, key: int) -> torch.Tensor:
-    """Cheap per-tensor-distinct bytes for multi-GB checkpoints.
-
-    Word j of block i is ``(j * K_WORD) ^ (i * K_BLOCK) ^ key``: one broadcast
-    XOR pass (its cost is the page faults of the output), distinct per tensor via the key
-    and per block via the block term, so an offset error of a whole block is
-    still visible in a byte-exact comparison. Bytes are reinterpreted as the
-    target dtype, so float tensors may hold any bit pattern, NaNs included.
-    """
-    global _pattern_base
-    if _pattern_base is None:
-        _pattern_base = torch.arange(_PATTERN_BLOCK, dtype=torch.int64) * _K_WORD
-    nbytes = entry.nbytes
-    word_dtype = next(
-        d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if nbytes % d.itemsize == 0
-    )
-    n_words = nbytes // word_dtype.itemsize
-    base = _pattern_base.view(word_dtype)
-    signed_key = key - (1 << 64) if key >= 1 << 63 else key
-    key_t = torch.tensor(signed_key, dtype=torch.int64)
-    if word_dtype is not torch.int64:
-        key_t = key_t.reshape(1).view(word_dtype)[0]
-    out = torch.empty(n_words, dtype=word_dtype)
-    block = base.numel()
-    n_full, rem = divmod(n_words, block)
-    if n_full:
-        block_keys = (torch.arange(n_full, dtype=torch.int64) * _K_BLOCK).view(-1, 1)
-        if word_dtype is not torch.int64:
-            block_keys = block_keys.view(word_dtype)[:, :1]
-        torch.bitwise_xor(base, block_keys ^ key_t, out=out[: n_full * block].view(n_full, block))
-    if rem:
-        torch.bitwise_xor(base[:rem], key_t, out=out[n_full * block :])
-    return out.view(entry.dtype).reshape(entry.shape)
-
 
 def _materialise(entry: _Entry, spec: SyntheticSpec) -> torch.Tensor:
     if entry.kind == "mcg":
         return torch.tensor(MCG_MARKER, dtype=torch.int32)
     if entry.kind == "mul1":
         return torch.tensor([MUL1_MARKER], dtype=torch.int32)
-    key = _tensor_key(spec.seed, entry.name)
+    key = tensor_key(spec.seed, entry.name)
     if spec.fill == "pattern":
-        return _fill_pattern(entry, key)
-    return _fill_random(entry, key, spec.dense_dtype)
+        return fill_pattern(entry.dtype, entry.shape, key)
+    return fill_random(entry.kind, entry.shape, key, spec.dense_dtype)
 
 
 # --------------------------------------------------------------------------- public API
@@ -512,141 +439,3 @@ def write_synthetic(
         total_bytes=total,
         n_tensors=len(entries),
     )
-
-
-# (hidden, intermediate, n_experts, vocab): from toy up to GLM-4.5-Air / GLM-4.5
-# proportions, many experts and H several times the expert intermediate size.
-# Every intermediate is a multiple of 128, so tp_ranks up to 8 needs no rounding.
-_RUNGS: tuple[tuple[int, int, int, int], ...] = (
-    (256, 128, 8, 512),
-    (512, 128, 16, 1024),
-    (1024, 256, 32, 4096),
-    (2048, 512, 64, 8192),
-    (4096, 1408, 128, 16384),
-    (5120, 1536, 160, 32768),
-)
-# Prefer the biggest rung that still gives this many layers, so per-layer
-# granularity stays fine and the checkpoint has a realistic depth.
-_MIN_LAYERS = 6
-
-
-class _Shapes:
-    """The shapes :func:`spec_for_size` searches among: a spec made of a rung, a layer count
-    and an expert count, the ``overrides`` kept, and its size estimated (before sharding)."""
-
-    def __init__(self, overrides: Mapping[str, Any], tiers: Sequence[int]) -> None:
-        low, higher = tiers[0], tiers[1:]
-        self.mean_bits = (
-            low
-            if not higher
-            else _LOW_TIER_SHARE * low + (1 - _LOW_TIER_SHARE) * sum(higher) / len(higher)
-        )
-        self.tp = overrides.get("tp_ranks", 1)
-        self.first_dense = overrides.get("first_dense", 1)
-        self.passthrough = {
-            k: v
-            for k, v in overrides.items()
-            if k not in ("n_layers", "n_experts", "n_shards", "fill")
-        }
-        self.min_layers = max(self.first_dense + 1, 2)
-
-    def make(self, rung: tuple[int, int, int, int], n_layers: int, n_experts: int) -> SyntheticSpec:
-        h, i, _, v = rung
-        unit = 16 * self.tp
-        params: dict[str, Any] = {
-            "hidden": h,
-            "intermediate": -(-i // unit) * unit,
-            "vocab": v,
-            "first_dense": self.first_dense,
-        }
-        params.update(self.passthrough)
-        params["n_layers"] = n_layers
-        params["n_experts"] = n_experts
-        params["n_shards"] = 1
-        return SyntheticSpec(**params)
-
-    def estimate(self, spec: SyntheticSpec) -> float:
-        n_moe = spec.n_layers - spec.first_dense
-        return _bytes_for(spec, [spec.n_experts * self.mean_bits] * n_moe)
-
-    def per_moe_layer(self, rung: tuple[int, int, int, int], n_experts: int) -> tuple[float, float]:
-        """The size of the smallest spec of ``rung``, and what one more MoE layer adds."""
-        one = self.make(rung, self.min_layers, n_experts)
-        more = self.estimate(replace(one, n_layers=self.min_layers + 1))
-        return self.estimate(one), more - self.estimate(one)
-
-
-def spec_for_size(total_bytes: int, **overrides: Any) -> SyntheticSpec:
-    """A spec whose checkpoint is close to total_bytes (within ~10%).
-
-    Scales hidden/intermediate/n_experts/n_layers sensibly (GLM-like
-    proportions: many experts, H much larger than the per-rank I), uses
-    fill='pattern' above ~256 MiB and n_shards so that each file is <= ~1 GiB.
-
-    Benchmarks ask for a size, not a shape; this picks the shape. ``overrides``
-    are fixed and the remaining knobs are searched around them (so fixing e.g.
-    both n_layers and n_experts can make the target unreachable). n_shards
-    defaults to max(3, ceil(size / 1 GiB)) so even small checkpoints exercise
-    cross-file experts. Targets below the smallest rung's two layers (~2 MB)
-    are not approximated.
-    """
-    if total_bytes < 1:
-        raise ValueError(f"total_bytes must be positive, got {total_bytes}")
-    unknown = set(overrides) - set(SyntheticSpec.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"unknown SyntheticSpec fields: {sorted(unknown)}")
-
-    tiers = sorted(set(overrides.get("bits", SyntheticSpec.__dataclass_fields__["bits"].default)))
-    shapes = _Shapes(overrides, tiers)
-    chosen = _RUNGS[0]
-    for rung in reversed(_RUNGS):
-        _, per_layer = shapes.per_moe_layer(rung, overrides.get("n_experts", rung[2]))
-        if total_bytes / per_layer >= _MIN_LAYERS:
-            chosen = rung
-            break
-
-    candidates = _candidates(shapes, chosen, tiers, total_bytes, overrides)
-    # Keep the rung's (round, model-like) expert count unless moving it buys real accuracy.
-    close = [c for c in candidates if c[0] <= 0.02 * total_bytes]
-    spec = (
-        min(close, key=lambda c: (c[1], c[0]))[2]
-        if close
-        else min(candidates, key=lambda c: (c[0], c[1]))[2]
-    )
-
-    exact = payload_bytes(spec)
-    n_shards = overrides.get("n_shards", max(3, math.ceil(exact / _MAX_SHARD_BYTES)))
-    fill = overrides.get("fill", "pattern" if total_bytes > _PATTERN_ABOVE else "random")
-    return replace(spec, n_shards=n_shards, fill=fill)
-
-
-def _candidates(
-    shapes: _Shapes,
-    chosen: tuple[int, int, int, int],
-    tiers: Sequence[int],
-    total_bytes: int,
-    overrides: Mapping[str, Any],
-) -> list[tuple[float, int, SyntheticSpec]]:
-    """Specs of rung ``chosen`` around ``total_bytes``, each with its error in bytes and
-    how far its expert count moved from the rung's."""
-    min_layers = shapes.min_layers
-    base_experts = overrides.get("n_experts", chosen[2])
-    if "n_experts" in overrides:
-        expert_range = [base_experts]
-    else:
-        lo = max(len(tiers), math.ceil(base_experts * 0.75))
-        expert_range = list(range(lo, math.floor(base_experts * 1.25) + 1))
-    candidates: list[tuple[float, int, SyntheticSpec]] = []
-    for n_experts in expert_range:
-        if "n_layers" in overrides:
-            layer_range: Sequence[int] = [overrides["n_layers"]]
-        else:
-            floor_bytes, per_layer = shapes.per_moe_layer(chosen, n_experts)
-            guess = min_layers + (total_bytes - floor_bytes) / per_layer
-            centre = max(min_layers, int(guess))
-            layer_range = range(max(min_layers, centre - 1), centre + 3)
-        for n_layers in layer_range:
-            s = shapes.make(chosen, n_layers, n_experts)
-            error = abs(shapes.estimate(s) - total_bytes)
-            candidates.append((error, abs(n_experts - base_experts), s))
-    return candidates

@@ -27,8 +27,7 @@ httpx = pytest.importorskip("httpx")
 import asyncslab  # noqa: E402
 import asyncslab.testing  # noqa: E402
 from asyncslab import Checkpoint, SlabSet, plan  # noqa: E402
-from asyncslab.testing import SyntheticCheckpoint, write_synthetic  # noqa: E402
-from asyncslab.testing._synthetic import spec_for_size  # noqa: E402
+from asyncslab.testing import SyntheticCheckpoint, spec_for_size, write_synthetic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

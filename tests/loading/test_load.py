@@ -483,7 +483,7 @@ async def test_closed_slabset(moe_checkpoint: SyntheticCheckpoint) -> None:
 
 
 async def test_event_loop_stays_responsive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    written = write_synthetic(tmp_path, asyncslab.testing._synthetic.spec_for_size(48 << 20))
+    written = write_synthetic(tmp_path, asyncslab.testing.spec_for_size(48 << 20))
     ckpt = Checkpoint.open(written.root)
     p = plan(ckpt)
     lags: list[float] = []

@@ -14,17 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from asyncslab.testing._synthetic import (
-    MCG_MARKER,
-    MUL1_MARKER,
-    SyntheticCheckpoint,
-    SyntheticSpec,
-    _Entry,  # private, for the pattern fill's word-size paths
-    _fill_pattern,
-    expected_tensors,
-    spec_for_size,
-    write_synthetic,
-)
+from asyncslab.testing import SyntheticCheckpoint, SyntheticSpec, spec_for_size, write_synthetic
+from asyncslab.testing._fill import MCG_MARKER, MUL1_MARKER, fill_pattern
+from asyncslab.testing._synthetic import expected_tensors
 
 EXPERT_RE = re.compile(
     r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(?:rank(\d+)\.)?(\w+)$"
@@ -351,8 +343,7 @@ def test_invalid_specs_are_rejected(kwargs: dict[str, Any], match: str) -> None:
 )
 def test_pattern_fill_handles_any_byte_length(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     # Shapes whose byte length is not a multiple of 8 take the narrower-word paths.
-    entry = _Entry("t", dtype, shape, "dense")
-    a, b = _fill_pattern(entry, 1), _fill_pattern(entry, 2)
+    a, b = fill_pattern(dtype, shape, 1), fill_pattern(dtype, shape, 2)
     assert (a.dtype, tuple(a.shape)) == (dtype, shape)
-    assert raw(a) == raw(_fill_pattern(entry, 1))
+    assert raw(a) == raw(fill_pattern(dtype, shape, 1))
     assert raw(a) != raw(b)

@@ -87,7 +87,8 @@ def write_many_small(
 def generate(root: Path, size: int, workers: int | None = None) -> tuple[Path, dict[str, Any]]:
     """Generate (or reuse) the synthetic checkpoint of ``size`` bytes under ``root``, with
     ``workers`` processes (default: one per two CPUs, at most one per shard)."""
-    from ...testing._synthetic import spec_for_size, write_synthetic
+    from ...testing import spec_for_size
+    from ...testing._synthetic import write_synthetic
 
     spec = spec_for_size(size)
     target = root / f"asyncslab-bench-{size}"
