@@ -4,8 +4,8 @@ Public as :mod:`asyncslab.distributed`. :func:`rank_plan` builds it from the gro
 and size: the whole checkpoint (``replicated``), this rank's slices of a pre-sliced
 checkpoint (``pre-sliced``), this rank's rows of whole projection weights (``rows``), this
 rank's experts (``experts``), or rows and experts together (``rows+experts``). The plan
-records what it was made for, so that the load (``_session``) can check that every rank
-planned its own part of one mode.
+records what it was made for, so that the distributed load's pre-flight (``_agreement``) can
+check that every rank planned its own part of one mode.
 """
 
 from __future__ import annotations

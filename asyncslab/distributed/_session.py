@@ -27,8 +27,9 @@ sink, and it finishes like a local load, so the slabs fill, gate and report alik
 list, this rank's chunk reader and the landing index live in ``_chunks``; where the reader's
 bytes come from (the shards' files, or objects by ranged GETs pinned to their ETags), in
 ``_sources``; the pass that moves the chunks, in ``_shared_pass``; the collectives and the
-protocol thread's calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``. Here:
-the pre-flight, the agreement, and the load's owner. A checkpoint in object storage needs
+protocol thread's calls onto the loop, in ``_protocol``; the plans, in ``_rank_plan``; what the
+ranks check in the pre-flight and the outcome they agree to, in ``_agreement``. Here: the
+rank's session, which runs the protocol and owns the load. A checkpoint in object storage needs
 nothing else here: without ``share_reads`` each rank's ordinary load fetches its plan's
 ranges.
 """
@@ -37,11 +38,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -49,12 +48,18 @@ import torch.distributed as dist
 
 from .._os import peak_rss
 from ..checkpoint import Checkpoint
-from ..errors import (
-    DistributedLoadError,
-    LoadError,
-)
+from ..errors import DistributedLoadError, LoadError
 from ..loading import Load, LoadOptions, SlabSet
 from ..planning import Plan
+from ._agreement import (
+    DistributedLoad,
+    check_chunk_bytes,
+    check_hellos,
+    checkpoint_identity,
+    completed,
+    lost,
+    ranks_failed,
+)
 from ._chunks import SegmentSource, needed_ranges, pack_ranges
 from ._protocol import (
     ABORTED,
@@ -68,86 +73,9 @@ from ._protocol import (
     gather,
 )
 from ._shared_pass import SharedPass
-from ._sources import open_source, version_problems, versions
+from ._sources import open_source, versions
 
-__all__ = ["DistributedLoad", "RankReport", "load"]
-
-# --- results -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RankReport:
-    """One rank's figures for one distributed load.
-
-    ``bytes_needed``: bytes its plan places. ``bytes_read``: bytes it read from storage
-    (including gaps read through). ``bytes_received`` / ``bytes_sent``: payload of shared
-    chunks it received from / broadcast to the group (``share_reads`` only). ``peak_rss``:
-    the process's peak resident set size so far, in bytes.
-    """
-
-    rank: int
-    fingerprint: str
-    bytes_needed: int
-    bytes_read: int
-    bytes_received: int
-    bytes_sent: int
-    reads: int
-    elapsed_s: float
-    peak_rss: int
-
-
-@dataclass(frozen=True, slots=True)
-class DistributedLoad:
-    """A load every rank of the group completed.
-
-    ``slabs`` are this rank's (complete). ``fingerprint`` combines every rank's plan
-    fingerprint (which includes the slice each sliced route carries), in rank order: equal
-    on all ranks, and it changes when any rank's plan does (also when two ranks swap row
-    slices). ``ranks`` holds every rank's
-    :class:`RankReport`, in rank order; ``RankReport.fingerprint`` is ``plan.fingerprint``.
-    """
-
-    slabs: SlabSet
-    rank: int
-    world: int
-    share_reads: bool
-    fingerprint: str
-    ranks: tuple[RankReport, ...]
-
-    @property
-    def report(self) -> RankReport:
-        return self.ranks[self.rank]
-
-    @property
-    def bytes_read(self) -> int:
-        """Bytes read from storage by the whole group."""
-        return sum(r.bytes_read for r in self.ranks)
-
-    async def aclose(self) -> None:
-        await self.slabs.aclose()
-
-    async def __aenter__(self) -> DistributedLoad:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-
-# --- the load ----------------------------------------------------------------------------
-
-
-def _checkpoint_identity(checkpoint: Checkpoint) -> tuple[tuple[tuple[str, int, int], ...], str]:
-    files = tuple((f.path.name, f.size, f.header_len) for f in checkpoint.files)
-    h = hashlib.sha256()
-    for info in checkpoint.tensors.values():
-        h.update(
-            f"{info.name}|{info.file.name}|{info.offset}|{info.nbytes}|{info.st_dtype};".encode()
-        )
-    return files, h.hexdigest()[:16]
-
-
-def _combined(fingerprints: Sequence[str]) -> str:
-    return hashlib.sha256("|".join(fingerprints).encode()).hexdigest()[:16]
+__all__ = ["load"]
 
 
 class _Session:
@@ -218,7 +146,7 @@ class _Session:
 
     def prepare(self) -> dict[str, Any]:
         """Local checks and set-up, on the loop; their failure travels in the hello."""
-        files, headers = _checkpoint_identity(self.checkpoint)
+        files, headers = checkpoint_identity(self.checkpoint)
         hello: dict[str, Any] = {
             "rank": self.rank,
             "files": files,
@@ -238,7 +166,7 @@ class _Session:
             # Checked here, not before the pre-flight: a rank refusing on its own would leave
             # the others waiting in it until the group's timeout; the slabs are allocated
             # here for the same reason.
-            _check_chunk_bytes(self.chunk_bytes)
+            check_chunk_bytes(self.chunk_bytes)
             if self._slabs is None:
                 self._slabs = SlabSet(self.plan, self.device)
             if self.comm_cuda and self.slabs.device.type == "cuda":
@@ -328,16 +256,16 @@ class _Session:
                 # The CUDA device is per thread; NCCL's object collectives use the current one.
                 torch.cuda.set_device(self.comm_device)
             hellos = self.gather(hello, "pre-flight")
-            problems = _check_hellos(hellos, self.world)
+            problems = check_hellos(hellos, self.world)
             if problems:
-                return "error", _ranks_failed(self, problems, "ranks disagree before loading")
+                return "error", self._failed(problems, "ranks disagree before loading")
             if any(h["error"] for h in hellos):
                 failed = {h["rank"]: h["error"] for h in hellos if h["error"]}
-                return "error", _ranks_failed(self, failed, "before loading")
+                return "error", self._failed(failed, "before loading")
             if self.share:
                 failed = SharedPass(self).run(hellos)
                 if failed:
-                    return "error", _ranks_failed(self, failed, "before the first shared chunk")
+                    return "error", self._failed(failed, "before the first shared chunk")
             else:
                 self._independent()
             reports = self.gather(self._final(), "agreement")
@@ -351,12 +279,17 @@ class _Session:
                 if aborted:  # cannot happen: an abort always follows someone's failure
                     failed = {r: "stopped without a failing rank" for r in aborted}
             if failed:
-                return "error", _ranks_failed(self, failed, None)
+                return "error", self._failed(failed, None)
             return "ok", reports
         except CollectiveFailed as err:
-            return "error", _lost(self, err)
+            return "error", lost(err, rank=self.rank, world=self.world)
         finally:
             self._close_source()
+
+    def _failed(self, failed: Mapping[int, str], context: str | None) -> DistributedLoadError:
+        return ranks_failed(
+            failed, context, rank=self.rank, world=self.world, cause=self.local_error
+        )
 
     def gather(self, obj: dict[str, Any], step: str) -> list[dict[str, Any]]:
         return gather(self.group, self.world, obj, step)
@@ -428,110 +361,6 @@ class _Session:
             "elapsed_s": time.perf_counter() - self.started,
             "peak_rss": peak_rss() or 0,
         }
-
-
-def _ranks_failed(
-    session: _Session, failed: Mapping[int, str], context: str | None
-) -> DistributedLoadError:
-    """The error every rank raises when the ranks of ``failed`` did, with their errors;
-    ``context``: when."""
-    world, rank = session.world, session.rank
-    ranks = sorted(failed)
-    if len(ranks) == 1:
-        r = ranks[0]
-        text = f"distributed load failed on rank {r} of {world}: {failed[r]}"
-    else:
-        listed = "; ".join(f"rank {r}: {failed[r]}" for r in ranks)
-        text = f"distributed load failed on ranks {', '.join(map(str, ranks))} of {world}: {listed}"
-    if context is not None:
-        text = f"{text} ({context})"
-    err = DistributedLoadError(
-        text, ranks=tuple(ranks), errors=dict(failed), rank=rank, world=world
-    )
-    if rank in failed and session.local_error is not None:
-        err.__cause__ = session.local_error
-    return err
-
-
-def _lost(session: _Session, failure: CollectiveFailed) -> DistributedLoadError:
-    """The error a rank raises when a collective failed under it (the group is lost)."""
-    err = DistributedLoadError(
-        f"{session.where()}: the {failure.step} collective failed — another rank died, hung "
-        "longer than the process group's timeout, or left the group; the process group "
-        f"is unusable now ({describe(failure.error)})",
-        ranks=(),
-        errors={},
-        rank=session.rank,
-        world=session.world,
-        step=failure.step,
-    )
-    err.__cause__ = failure.error
-    return err
-
-
-def _check_hellos(hellos: Sequence[dict[str, Any]], world: int) -> dict[int, str]:
-    """Problems every rank finds alike in the pre-flight exchange, by rank."""
-    problems: dict[int, str] = {}
-    first = hellos[0]
-    for h in hellos[1:]:
-        if h["sharing"] != first["sharing"]:
-            problems[h["rank"]] = (
-                f"loads with {_sharing(h['sharing'])}, rank 0 with {_sharing(first['sharing'])}"
-            )
-        if h["files"] != first["files"] or h["headers"] != first["headers"]:
-            problems[h["rank"]] = (
-                f"opened another checkpoint than rank 0 (files {list(h['files'])[:3]}, "
-                f"headers {h['headers']}; rank 0: {list(first['files'])[:3]}, "
-                f"headers {first['headers']})"
-            )
-    for rank, why in version_problems(hellos).items():
-        problems.setdefault(rank, why)
-    tags = [h["tag"] for h in hellos]
-    if any(t is not None for t in tags):
-        tagged = next(h["rank"] for h, t in zip(hellos, tags, strict=True) if t is not None)
-        for h, t in zip(hellos, tags, strict=True):
-            if t is None:
-                problems.setdefault(
-                    h["rank"], f"its plan was not made by rank_plan, rank {tagged}'s was"
-                )
-            elif (t["rank"], t["world"]) != (h["rank"], world):
-                problems.setdefault(
-                    h["rank"],
-                    f"its plan was made for rank {t['rank']} of {t['world']}",
-                )
-        modes = {t["mode"] for t in tags if t is not None}
-        reference = tags[0]
-        if len(modes) > 1 and reference is not None:
-            for h, t in zip(hellos, tags, strict=True):
-                if t is not None and t["mode"] != reference["mode"]:
-                    problems.setdefault(
-                        h["rank"], f"planned mode {t['mode']!r}, rank 0 {reference['mode']!r}"
-                    )
-        if modes == {"replicated"}:
-            for h in hellos:
-                if h["slices"] != first["slices"]:
-                    problems.setdefault(
-                        h["rank"],
-                        f"replicated plan {h['fingerprint']} differs from rank 0's "
-                        f"{first['fingerprint']}",
-                    )
-    return problems
-
-
-def _check_chunk_bytes(chunk_bytes: object) -> None:
-    # bool is an int, and a float equal to an int passes the pre-flight's comparison, then
-    # fails in torch.empty on one rank only (its peers waiting in the first broadcast).
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(
-            f"chunk_bytes must be a positive int, got {chunk_bytes!r} "
-            f"({type(chunk_bytes).__name__})"
-        )
-
-
-def _sharing(key: tuple[Any, ...]) -> str:
-    if not key[0]:
-        return "share_reads=False"
-    return f"share_reads=True, chunk_bytes={key[1]}, coalesce_gap={key[2]}"
 
 
 async def load(
@@ -626,32 +455,12 @@ async def _agreed(
         await session.release()
         del session
         raise value
-    return _completed(session, value)
-
-
-def _completed(session: _Session, reports: Sequence[dict[str, Any]]) -> DistributedLoad:
-    """The load every rank agreed on, from the agreement's reports (in rank order)."""
-    ranks = tuple(
-        RankReport(
-            rank=r["rank"],
-            fingerprint=r["fingerprint"],
-            bytes_needed=r["bytes_needed"],
-            bytes_read=r["bytes_read"],
-            bytes_received=r["bytes_received"],
-            bytes_sent=r["bytes_sent"],
-            reads=r["reads"],
-            elapsed_s=r["elapsed_s"],
-            peak_rss=r["peak_rss"],
-        )
-        for r in reports
-    )
-    return DistributedLoad(
+    return completed(
+        value,
         slabs=session.slabs,
         rank=session.rank,
         world=session.world,
         share_reads=session.share,
-        fingerprint=_combined([r["slices"] for r in reports]),
-        ranks=ranks,
     )
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import asyncslab
 import asyncslab.testing
 from asyncslab import Checkpoint, LoadError, LoadOptions, PlanError
+from asyncslab.distributed import _agreement as agreement
 from asyncslab.distributed import _chunks as shared
 from asyncslab.distributed import _session as distributed
 from asyncslab.distributed import _sources as sources
@@ -513,7 +514,7 @@ def _after(n: int, behaviour: Callable[[], None]) -> Callable[[], None]:
     return counted
 
 
-async def _attempt(load: Awaitable[distributed.DistributedLoad]) -> dict[str, Any]:
+async def _attempt(load: Awaitable[asyncslab.distributed.DistributedLoad]) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         result = await load
@@ -1098,7 +1099,7 @@ def test_rank_plan_modes_partition_the_checkpoint(
     # which rows changes the combined fingerprint.
     slices = [p.fingerprint for p in rows]
     assert slices[0] != slices[1]
-    assert distributed._combined(slices) != distributed._combined(slices[::-1])
+    assert agreement.combined(slices) != agreement.combined(slices[::-1])
     mine = rank_plan(ckpt, mode="experts", rank=0, world=2, owns=lambda layer, e: e < 3)
     assert {x.expert for x in mine.routes if x.expert is not None} == {0, 1, 2}
 
