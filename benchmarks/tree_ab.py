@@ -12,7 +12,8 @@ the same machine. A tree is a checkout, e.g. ``git worktree add /tmp/base <commi
 Prints, per step, each tree's median wall-clock and CPU seconds, the ratio of the medians
 (new / base) and the median of the paired ratios. A checkpoint at the field's scale:
 ``python -m benchmarks.scale_bench --counts 288780 --dir DIR`` writes one (290k tensors, 32
-shards) and keeps it; a directory with a ``tier_map.json`` is planned with it.
+shards) as ``DIR/exl3-288780`` and keeps it; a checkpoint with a ``tier_map.json`` is planned
+with it.
 """
 
 from __future__ import annotations
