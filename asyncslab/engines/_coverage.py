@@ -48,7 +48,7 @@ from ..planning import (
 from ._overwrites import resolve
 from ._recording import Capture, Run
 
-__all__ = ["IntoPlan", "check_coverage", "plan_into", "stored_order"]
+__all__ = ["IntoPlan", "plan_into"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ def plan_into(
     its reading order; by default the checkpoint's) stands."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
-    stored = stored_order(checkpoint, to_checkpoint)
+    stored = _stored_order(checkpoint, to_checkpoint)
     resolved = resolve(captured, order or stored, stored)
     captured = resolved.captured
     # Looked up once per tensor: a checkpoint's table builds each TensorInfo on access.
@@ -105,7 +105,7 @@ def plan_into(
             found = infos[name] = tensors[to_checkpoint.get(name, name)]
         return found
 
-    defaulted = check_coverage(captured, list(required), frozenset(optional), resolved.shared)
+    defaulted = _check_coverage(captured, list(required), frozenset(optional), resolved.shared)
     grids, views = _slabs(captured, info)
     # In checkpoint order, as they will be read.
     why = {to_checkpoint.get(n, n): w for n, w in captured.transformed.items()}
@@ -135,7 +135,7 @@ def plan_into(
     )
 
 
-def stored_order(
+def _stored_order(
     checkpoint: Checkpoint, to_checkpoint: Mapping[str, str]
 ) -> Callable[[str], tuple[int, int]]:
     """A sort key of the engine's names by where their tensors lie: the checkpoint's order,
@@ -266,7 +266,7 @@ class _Claimed:
 # --- completeness, per byte ------------------------------------------------------------
 
 
-def check_coverage(
+def _check_coverage(
     captured: Capture,
     required: Sequence[tuple[str, torch.Tensor]],
     optional: frozenset[str],

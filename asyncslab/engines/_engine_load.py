@@ -5,10 +5,7 @@ loader on stand-ins (:func:`~asyncslab.engines._recording.capture`), plan into t
 it writes with every byte covered once (:func:`~asyncslab.engines._coverage.plan_into`),
 load that plan in place, then hand the tensors the loader transforms (a cast, a computed
 value) to the loader itself, as views of the files' mappings, or from object storage read
-a window at a time (:func:`~asyncslab.engines._stream.stream_tensors`). Where no
-parameter has the dtype of any tensor (a model served in another dtype than its checkpoint's)
-nothing can be read in place: nothing is recorded, every tensor goes to the loader at once,
-and the bytes it writes are checked after (:func:`~asyncslab.engines._recording.watch`).
+a window at a time (:func:`~asyncslab.engines._stream.stream_tensors`).
 An adapter describes its engine as an :class:`Engine` (its loader, its parameters, the names
 it knows the checkpoint's tensors by) and keeps only its engine's glue: finding the files,
 options from its configuration, its logging, its report.
@@ -31,12 +28,12 @@ from .._os import run
 from ..checkpoint import Checkpoint
 from ..errors import LoadError
 from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
-from ._coverage import IntoPlan, check_coverage, plan_into, stored_order
+from ._coverage import IntoPlan, plan_into
 from ._derive import Derivation, capture_derived
 from ._hugepages import advise_huge_pages
 from ._placement import Placement, placement
 from ._prefault import Prefault
-from ._recording import Capture, watch
+from ._recording import Capture
 from ._stream import stream_tensors
 
 __all__ = ["Engine", "EngineLoad", "WeightLoader", "host", "load_into_engine", "run_sync"]
@@ -135,8 +132,6 @@ def load_into_engine(
     # for (off by default, see _hugepages): the parameters then fault in once per huge page
     # instead of once per 4 KiB.
     advise_huge_pages(p for _, p in engine.parameters)
-    if not _placeable(checkpoint, engine, names):
-        return _stream_all(checkpoint, engine, names, options, started)
     # The parameters faulted in on a thread of their own while the loader is recorded and
     # the checkpoint read (see _prefault); stopped before the engine's loader transforms
     # tensors, as its casts use every core.
@@ -145,12 +140,7 @@ def load_into_engine(
         recorded = time.perf_counter()
         into = _plan(checkpoint, captured, engine, names, placed)
         planned = time.perf_counter()
-        # A plan of transformed tensors only has no reads: no loop, threads or slabs.
-        loaded = (
-            run_sync(_load(checkpoint, into, device, options, progress))
-            if into.plan.routes
-            else None
-        )
+        loaded = run_sync(_load(checkpoint, into, device, options, progress))
     reads_done = time.perf_counter()
     if into.transformed:
         _transform(checkpoint, engine, into.transformed, names, options)
@@ -158,7 +148,7 @@ def load_into_engine(
     return EngineLoad(
         files=len(checkpoint.files),
         tensors=len(checkpoint.tensors),
-        bytes=loaded.bytes_landed if loaded is not None else 0,
+        bytes=loaded.bytes_landed,
         runs=len(into.plan.routes),
         parameters=len({id(p) for _, p in engine.parameters}),
         transformed=tuple(into.transformed),
@@ -169,59 +159,8 @@ def load_into_engine(
         capture_s=recorded - started,
         plan_s=planned - recorded,
         recorded=derivation.recorded,
-        load_s=loaded.elapsed_s if loaded is not None else 0.0,
+        load_s=loaded.elapsed_s,
         transformed_s=finished - reads_done,
-        total_s=finished - started,
-    )
-
-
-def _placeable(checkpoint: Checkpoint, engine: Engine, names: Mapping[str, str]) -> bool:
-    """Whether any tensor could be read into the engine's tensors as it is stored: a byte
-    copy keeps the dtype, so not where no parameter or buffer has any tensor's. (A loader
-    that views a tensor as another dtype before its copy is then handed the tensor, as by
-    the engine's own reader: not placed, never wrong.)"""
-    tensors = checkpoint.tensors
-    kept = {t.dtype for _, t in (*engine.parameters, *engine.buffers)}
-    return any(tensors[ck].dtype in kept for ck in set(names.values()))
-
-
-def _stream_all(
-    checkpoint: Checkpoint,
-    engine: Engine,
-    names: Mapping[str, str],
-    options: LoadOptions,
-    started: float,
-) -> EngineLoad:
-    """Every tensor handed to the engine's loader as by :func:`_transform`, unrecorded
-    (recording would run the loader on each once more, to place nothing), and every
-    parameter byte checked written after."""
-    order = stored_order(checkpoint, names)
-    transformed = [names[n] for n in sorted(names, key=order)]
-    engine_name = {ck: name for name, ck in names.items()}
-    tensors = stream_tensors(checkpoint, transformed, options=host(options))
-    with contextlib.closing(tensors):
-        written = watch(
-            engine.load,
-            ((engine_name[n], t) for n, t in tensors),
-            [*engine.parameters, *engine.buffers],
-        )
-    streamed = time.perf_counter()
-    defaulted = check_coverage(written, engine.parameters, engine.optional)
-    finished = time.perf_counter()
-    return EngineLoad(
-        files=len(checkpoint.files),
-        tensors=len(checkpoint.tensors),
-        bytes=0,
-        runs=0,
-        parameters=len({id(p) for _, p in engine.parameters}),
-        transformed=tuple(transformed),
-        transformed_bytes=sum(checkpoint.tensors[n].nbytes for n in transformed),
-        skipped=(),
-        defaulted=defaulted,
-        capture_s=0.0,
-        plan_s=finished - streamed,
-        load_s=0.0,
-        transformed_s=streamed - started,
         total_s=finished - started,
     )
 

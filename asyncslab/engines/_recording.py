@@ -15,10 +15,6 @@ derived from it), a value read (``.item()``: the loader branched on garbage), a 
 temporary, a copy too fragmented to be worth reading run by run (a transpose). The loader
 of the engine must then be run again on the real tensor; nothing is guessed.
 
-Where nothing can be recorded usefully (no tensor could be placed: a model served in
-another dtype than its checkpoint's), :func:`watch` runs the loader on the real tensors and
-notes only the bytes it writes, for the coverage check.
-
 Writes into destinations that do not come from a stand-in (vLLM zero-fills the padding of
 a vocabulary) run for real while recording and are recorded as *fills*.
 
@@ -42,9 +38,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten
 
-from ..errors import AsyncSlabError, CaptureError, LoadError
+from ..errors import CaptureError
 
-__all__ = ["Capture", "Fill", "Run", "Write", "capture", "watch", "MIN_RUN_BYTES", "READ_BACK"]
+__all__ = ["Capture", "Fill", "Run", "Write", "capture", "MIN_RUN_BYTES", "READ_BACK"]
 
 aten = torch.ops.aten
 
@@ -196,9 +192,19 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.current: str | None = None
         self.yielded: list[str] = []
-        self._table = _Targets(targets)
-        self._targets = self._table.targets
-        self._target_of = self._table.target_of
+        self._targets: list[tuple[str, torch.Tensor]] = []
+        self._target_of: dict[int, int] = {}
+        self._given: list[tuple[str, torch.Tensor, int]] = []
+        for name, tensor in targets:
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            self._given.append((name, tensor, tensor.data_ptr()))
+            if ptr in self._target_of or storage.nbytes() == 0:
+                continue
+            self._target_of[ptr] = len(self._targets)
+            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+            flat.set_(storage, 0, (storage.nbytes(),), (1,))
+            self._targets.append((name, flat))
         self._origins: dict[int, _Origin] = {}
         self._keep: list[torch.Tensor] = []  # stand-ins and derived tensors: their pointers
         self.runs: list[Run] = []
@@ -230,7 +236,12 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.transformed.setdefault(name, why)
 
     def result(self) -> Capture:
-        self._table.check_kept(CaptureError)
+        for name, tensor, data_ptr in self._given:
+            if tensor.data_ptr() != data_ptr:
+                raise CaptureError(
+                    f"the engine's loader replaced the memory of {name!r} instead of writing "
+                    "into it: asyncslab cannot load this model in place"
+                )
         untouched = tuple(n for n in self.yielded if n not in self.written)
         if self._read:
             self._transform_read_back()
@@ -435,107 +446,6 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for a, b, name in self._claimed.get(target, ()):
                 if a < end and start < b:
                     self._transform((name,), f"the loader overwrites part of it ({op})")
-
-
-class _Targets:
-    """The destination storages of ``targets`` (engine tensors by name), each once, as a
-    flat byte view named by the first tensor seen on it (see :class:`Capture`), and every
-    tensor's data pointer, to check that the loader kept its memory."""
-
-    def __init__(self, targets: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.targets: list[tuple[str, torch.Tensor]] = []
-        self.target_of: dict[int, int] = {}
-        self._given: list[tuple[str, torch.Tensor, int]] = []
-        for name, tensor in targets:
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            self._given.append((name, tensor, tensor.data_ptr()))
-            if ptr in self.target_of or storage.nbytes() == 0:
-                continue
-            self.target_of[ptr] = len(self.targets)
-            flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-            flat.set_(storage, 0, (storage.nbytes(),), (1,))
-            self.targets.append((name, flat))
-
-    def check_kept(self, error: type[Exception]) -> None:
-        for name, tensor, data_ptr in self._given:
-            if tensor.data_ptr() != data_ptr:
-                raise error(
-                    f"the engine's loader replaced the memory of {name!r} instead of writing "
-                    "into it: asyncslab cannot load this model in place"
-                )
-
-
-def watch(
-    load: Callable[[Iterator[tuple[str, torch.Tensor]]], Any],
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    targets: Iterable[tuple[str, torch.Tensor]],
-) -> Capture:
-    """Run ``load`` on the real ``tensors``, every op for real, noting the bytes of
-    ``targets`` it writes, each write as a :class:`Fill` (which tensor a write came from is
-    not told: a loader may read ahead of what it writes). For a load in which nothing could
-    be placed, so nothing was recorded: its coverage is checked after the fact. Raises
-    :class:`LoadError` naming the tensor ``load`` was last given when it failed, or a
-    parameter whose memory it replaced."""
-    watcher = _Watcher(targets)
-
-    def given() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            watcher.current = name
-            watcher.yielded.append(name)
-            yield name, tensor
-        watcher.current = None
-
-    try:
-        with watcher:
-            load(given())
-    except AsyncSlabError:
-        raise  # the reads' own, naming what failed
-    except Exception as err:
-        raise LoadError(
-            f"the engine's weight loader failed on it ({type(err).__name__}: {err})",
-            tensor=watcher.current,
-        ) from err
-    watcher.table.check_kept(LoadError)
-    return Capture(
-        targets=tuple(watcher.table.targets),
-        runs=(),
-        writes=(),
-        fills=tuple(watcher.fills),
-        transformed={},
-        yielded=tuple(watcher.yielded),
-        untouched=(),
-    )
-
-
-class _Watcher(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, targets: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.table = _Targets(targets)
-        self.current: str | None = None
-        self.yielded: list[str] = []
-        self.fills: list[Fill] = []
-
-    def __torch_dispatch__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        op = _op(func)
-        written = [kwargs.get("out")]
-        if op.mutates_first and args:
-            written.append(args[0])
-        for dst in written:
-            if not isinstance(dst, torch.Tensor) or not dst.numel():
-                continue
-            target = self.table.target_of.get(_storage_ptr(dst))
-            if target is not None:
-                self.fills.extend(Fill(op.name, target, a, b) for a, b in _spans(dst))
-        return out
 
 
 _COPIES = frozenset({aten._to_copy.default, aten.clone.default})

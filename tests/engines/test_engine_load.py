@@ -6,8 +6,7 @@ exactly what its loader writes given the tensors safetensors reads, in the memor
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from asyncslab import Checkpoint
 from asyncslab.engines._engine_load import Engine, load_into_engine
 from asyncslab.engines._placement import Placement, Placer
 from asyncslab.engines._stream import stream_tensors
-from asyncslab.errors import CoverageError, LoadError
+from asyncslab.errors import CoverageError
 
 LAYERS = 2
 PREFIX = "model."
@@ -30,17 +29,15 @@ class Fused(nn.Module):
     """Per layer ``qkv`` (q, k, v stacked by rows), a ``norm`` and a ``bias`` buffer; an
     optional ``scale`` the engine sets itself and takes from a checkpoint only if there."""
 
-    def __init__(
-        self, dtype: torch.dtype = torch.bfloat16, scale: torch.dtype | None = None
-    ) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Parameter(torch.full((8, 4), 9.0, dtype=dtype), False)
+        self.embed = nn.Parameter(torch.full((8, 4), 9.0, dtype=torch.bfloat16), False)
         self.layers = nn.ModuleList(nn.Module() for _ in range(LAYERS))
         for layer in self.layers:
-            layer.qkv = nn.Parameter(torch.full((12, 4), 9.0, dtype=dtype), False)
-            layer.norm = nn.Parameter(torch.full((4,), 9.0, dtype=dtype), False)
-            layer.register_buffer("bias", torch.full((4,), 9.0, dtype=dtype))
-        self.scale = nn.Parameter(torch.ones(1, dtype=scale or torch.float32), False)
+            layer.qkv = nn.Parameter(torch.full((12, 4), 9.0, dtype=torch.bfloat16), False)
+            layer.norm = nn.Parameter(torch.full((4,), 9.0, dtype=torch.bfloat16), False)
+            layer.register_buffer("bias", torch.full((4,), 9.0, dtype=torch.bfloat16))
+        self.scale = nn.Parameter(torch.ones(1), False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         for full, w in weights:
@@ -101,9 +98,9 @@ def engine_of(model: Fused, ckpt: Checkpoint) -> Engine:
     )
 
 
-def by_its_own_loader(ckpt: Checkpoint, model: Fused | None = None) -> Fused:
+def by_its_own_loader(ckpt: Checkpoint) -> Fused:
     """The engine loaded the engine's way: every tensor as safetensors reads it."""
-    model = model or Fused()
+    model = Fused()
     for f in ckpt.files:
         with safe_open(str(f.path), "pt") as reader:
             model.load_weights((PREFIX + n, reader.get_tensor(n)) for n in reader.keys())
@@ -240,83 +237,3 @@ def test_a_reload_streams_a_tensor_whose_dtype_or_destination_changed(tmp_path: 
     assert placer.placed == 1 + 2 * 3 + 2 - 4
     assert torch.equal(model.embed, other["embed"].bfloat16())
     assert torch.equal(model.layers[1].qkv.data.narrow(0, 4, 4), other["layers.1.k"])
-
-
-# --- served in another dtype: nothing to place, nothing recorded -----------------------
-
-
-def _in_float16(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> tuple[Checkpoint, Fused]:
-    """The checkpoint in bfloat16 and float32, the model kept in float16: every tensor is
-    cast by the loader, so none can be read in place."""
-    return write(tmp_path, tensors), Fused(torch.float16, scale=torch.float16)
-
-
-class Counted:
-    """The engine's loader, counting its runs."""
-
-    def __init__(self, load: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> None:
-        self.load = load
-        self.runs = 0
-
-    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object:
-        self.runs += 1
-        return self.load(weights)
-
-
-def test_a_model_served_in_another_dtype_goes_through_its_loader_once(tmp_path: Path) -> None:
-    """No parameter has any tensor's dtype: the loader is not recorded (that would run it
-    on every tensor once more, to place nothing) but run once, on the real tensors, and
-    the model ends as its own loader leaves it, in its own memory."""
-    ckpt, model = _in_float16(tmp_path, weights())
-    counted = Counted(model.load_weights)
-    before = pointers(model)
-    report = load_into_engine(ckpt, dataclasses.replace(engine_of(model, ckpt), load=counted))
-    assert counted.runs == 1
-    assert pointers(model) == before
-    expected = state(by_its_own_loader(ckpt, Fused(torch.float16, scale=torch.float16)))
-    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
-    assert (report.recorded, report.runs, report.bytes, report.capture_s) == (0, 0, 0, 0.0)
-    assert set(report.transformed) == set(ckpt.tensors)
-    assert report.transformed_bytes == sum(t.nbytes for t in ckpt.tensors.values())
-    assert report.defaulted == ("scale",)
-    # One parameter of a checkpoint tensor's dtype, and the loader is recorded as before.
-    (tmp_path / "mixed").mkdir()
-    ckpt, model = write(tmp_path / "mixed", weights()), Fused(torch.float16)
-    counted = Counted(model.load_weights)
-    report = load_into_engine(ckpt, dataclasses.replace(engine_of(model, ckpt), load=counted))
-    assert counted.runs == 2
-    assert report.recorded > 0
-
-
-def test_served_in_another_dtype_a_parameter_byte_nothing_wrote_is_refused(
-    tmp_path: Path,
-) -> None:
-    """Unrecorded, coverage is checked from the bytes the loader wrote: a missing tensor
-    leaves rows of a fused parameter as the engine made them, refused naming them."""
-    tensors = weights()
-    del tensors["layers.1.v"]
-    ckpt, model = _in_float16(tmp_path, tensors)
-    with pytest.raises(CoverageError, match=r"indices \[8, 0\]\.\.\[11, 3\] of 'layers\.1\.qkv'"):
-        load_into_engine(ckpt, engine_of(model, ckpt))
-
-
-def test_served_in_another_dtype_a_loader_failure_names_the_tensor(tmp_path: Path) -> None:
-    tensors = {**weights(), "stray": torch.zeros(2)}
-    ckpt, model = _in_float16(tmp_path, tensors)
-    with pytest.raises(LoadError, match="KeyError") as info:
-        load_into_engine(ckpt, engine_of(model, ckpt))
-    assert info.value.tensor == "model.stray"
-
-
-def test_served_in_another_dtype_a_loader_that_replaces_memory_is_refused(
-    tmp_path: Path,
-) -> None:
-    ckpt, model = _in_float16(tmp_path, weights())
-    load = model.load_weights
-
-    def replacing(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load(weights)
-        model.embed.data = model.embed.data.clone()
-
-    with pytest.raises(LoadError, match="replaced the memory of 'embed'"):
-        load_into_engine(ckpt, dataclasses.replace(engine_of(model, ckpt), load=replacing))
