@@ -140,7 +140,13 @@ def load_into_engine(
         recorded = time.perf_counter()
         into = _plan(checkpoint, captured, engine, names, placed)
         planned = time.perf_counter()
-        loaded = run_sync(_load(checkpoint, into, device, options, progress))
+        # Every tensor transformed (a model served in another dtype): nothing to read, no
+        # loop, threads or slabs to start for it.
+        loaded = (
+            run_sync(_load(checkpoint, into, device, options, progress))
+            if into.plan.routes
+            else None
+        )
     reads_done = time.perf_counter()
     if into.transformed:
         _transform(checkpoint, engine, into.transformed, names, options)
@@ -148,7 +154,7 @@ def load_into_engine(
     return EngineLoad(
         files=len(checkpoint.files),
         tensors=len(checkpoint.tensors),
-        bytes=loaded.bytes_landed,
+        bytes=loaded.bytes_landed if loaded is not None else 0,
         runs=len(into.plan.routes),
         parameters=len({id(p) for _, p in engine.parameters}),
         transformed=tuple(into.transformed),
@@ -159,7 +165,7 @@ def load_into_engine(
         capture_s=recorded - started,
         plan_s=planned - recorded,
         recorded=derivation.recorded,
-        load_s=loaded.elapsed_s,
+        load_s=loaded.elapsed_s if loaded is not None else 0.0,
         transformed_s=finished - reads_done,
         total_s=finished - started,
     )

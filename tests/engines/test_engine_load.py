@@ -29,14 +29,14 @@ class Fused(nn.Module):
     """Per layer ``qkv`` (q, k, v stacked by rows), a ``norm`` and a ``bias`` buffer; an
     optional ``scale`` the engine sets itself and takes from a checkpoint only if there."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.embed = nn.Parameter(torch.full((8, 4), 9.0, dtype=torch.bfloat16), False)
+        self.embed = nn.Parameter(torch.full((8, 4), 9.0, dtype=dtype), False)
         self.layers = nn.ModuleList(nn.Module() for _ in range(LAYERS))
         for layer in self.layers:
-            layer.qkv = nn.Parameter(torch.full((12, 4), 9.0, dtype=torch.bfloat16), False)
-            layer.norm = nn.Parameter(torch.full((4,), 9.0, dtype=torch.bfloat16), False)
-            layer.register_buffer("bias", torch.full((4,), 9.0, dtype=torch.bfloat16))
+            layer.qkv = nn.Parameter(torch.full((12, 4), 9.0, dtype=dtype), False)
+            layer.norm = nn.Parameter(torch.full((4,), 9.0, dtype=dtype), False)
+            layer.register_buffer("bias", torch.full((4,), 9.0, dtype=dtype))
         self.scale = nn.Parameter(torch.ones(1), False)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -98,9 +98,9 @@ def engine_of(model: Fused, ckpt: Checkpoint) -> Engine:
     )
 
 
-def by_its_own_loader(ckpt: Checkpoint) -> Fused:
+def by_its_own_loader(ckpt: Checkpoint, model: Fused | None = None) -> Fused:
     """The engine loaded the engine's way: every tensor as safetensors reads it."""
-    model = Fused()
+    model = model or Fused()
     for f in ckpt.files:
         with safe_open(str(f.path), "pt") as reader:
             model.load_weights((PREFIX + n, reader.get_tensor(n)) for n in reader.keys())
@@ -164,6 +164,29 @@ def test_a_missing_tensor_is_refused_naming_it_before_any_read(tmp_path: Path) -
     # Nothing was read: every byte still holds the value the engine gave it.
     assert all((layer.qkv == 9).all() and (layer.norm == 9).all() for layer in model.layers)
     assert (model.embed == 9).all()
+
+
+def test_a_model_served_in_another_dtype_is_all_transformed_and_read_by_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """Kept in float16, every tensor is cast by the loader: all go to it, checked first
+    (a missing one is refused before any read), and no read stage runs for none."""
+    tensors = weights()
+    ckpt = write(tmp_path, tensors)
+    model = Fused(torch.float16)
+    report = load_into_engine(ckpt, engine_of(model, ckpt))
+    expected = state(by_its_own_loader(ckpt, Fused(torch.float16)))
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
+    # The rotary table is skipped, and the float32 scale has no tensor (it is optional).
+    assert sorted(report.transformed) == sorted(n for n in tensors if n != "inv_freq")
+    assert (report.runs, report.bytes, report.load_s) == (0, 0, 0.0)
+    del tensors["layers.1.v"]
+    (tmp_path / "missing").mkdir()
+    ckpt = write(tmp_path / "missing", tensors)
+    model = Fused(torch.float16)
+    with pytest.raises(CoverageError, match=r"of 'layers\.1\.qkv'"):
+        load_into_engine(ckpt, engine_of(model, ckpt))
+    assert (model.layers[1].qkv == 9).all()
 
 
 def _reload(model: Fused, ckpt: Checkpoint, placement: Placement) -> Placer:

@@ -144,6 +144,12 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
             "extra": {"transfer": "staged", "io_workers": 2, "staging_buffers": 2},
         },
         {"name": "missing", "model": str(missing), "formats": ["asyncslab"]},
+        {
+            "name": "missing-float32",
+            "model": str(missing),
+            "formats": ["asyncslab"],
+            "dtype": "float32",
+        },
         {"name": "misshapen", "model": str(misshapen), "formats": ["asyncslab"]},
         {"name": "truncated", "model": str(truncated), "formats": ["asyncslab"]},
         {"name": "gone", "model": str(gone), "formats": ["asyncslab"]},
@@ -196,6 +202,8 @@ def test_every_parameter_byte_equals_autos_and_stays_in_vllms_memory(
         assert len(report["transformed"]) == report["tensors"]
         assert report["runs"] == 0
         assert report["transformed_bytes"] > 0
+        # Nothing to read in place: no read stage started.
+        assert (report["bytes"], report["load_s"]) == (0, 0.0)
     else:
         assert report["transformed"] == []
         assert report["runs"] == report["tensors"]
@@ -430,6 +438,17 @@ def test_a_missing_tensor_names_the_parameter_and_the_tensor(loads: dict[str, An
     assert case["tensor"] == MISSING
     assert "'model.layers.1.self_attn.qkv_proj.weight'" in case["message"]
     assert "come from no checkpoint tensor" in case["message"]
+
+
+def test_served_in_float32_a_missing_tensor_is_refused_too(loads: dict[str, Any]) -> None:
+    """Every tensor cast, none placed: the recording still checks every parameter byte
+    before any read, and k's rows of the fused ``qkv_proj`` are found unwritten (vLLM's own
+    check of the names it loaded exempts every layer with a quantization method, linear
+    ones included: ``auto`` serves those rows as allocated)."""
+    case = loads["missing-float32"]
+    assert case["error"] == "CoverageError"
+    assert case["tensor"] == MISSING
+    assert "'model.layers.1.self_attn.qkv_proj.weight'" in case["message"]
 
 
 def test_a_misshapen_tensor_is_refused_by_vllms_loader_naming_it(loads: dict[str, Any]) -> None:
