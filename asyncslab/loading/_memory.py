@@ -42,6 +42,8 @@ class SlabMemory:
         # slabs are views of one allocation of asyncslab's own); each slab's offset in the
         # backing.
         self._tensors, self._given, self._offset, self.backing = _memory(plan, tensors, device)
+        #: Units whose given tensors were let go of (:meth:`release`).
+        self.released: set[str] = set()
         self.adopt(plan)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -64,9 +66,34 @@ class SlabMemory:
         else:
             self._route_bytes = list(map(self._given.__getitem__, slabs))
         self.tracker = Tracker(plan)
+        self._unit_routes: dict[str, list[int]] | None = None
         # Plans are immutable and the slabs stay put, so a reload with the same options
         # reuses its reads, destinations included.
         self.read_plans: dict[tuple[str, int, int], Reads] = {}
+
+    @property
+    def given(self) -> bool:
+        """Whether the slabs are tensors given (an engine's), not an allocation of its own."""
+        return self._given is not None
+
+    def release(self, unit: str) -> None:
+        """Let go of the given tensors of ``unit``'s slabs: the engine that lent them frees
+        their memory once it drops them too (its processing replacing a layer's weights while
+        later layers load). Only for given tensors, and only once no read writes into them."""
+        assert self._given is not None, "an allocation of asyncslab's own is freed whole"
+        names = [name for name, spec in self.plan.slabs.items() if spec.unit == unit]
+        for name in names:
+            self._tensors.pop(name, None)
+            self._given.pop(name, None)
+        if self._unit_routes is None:  # once per plan: a layer a call over every route adds up
+            self._unit_routes = {}
+            for route, of in enumerate(route_column(self.run_plan.routes, "unit")):
+                self._unit_routes.setdefault(of, []).append(route)
+        # The sink's per-route list is this one: its copies see the entries go too.
+        released = torch.empty(0, dtype=torch.uint8, device=self.device)
+        for route in self._unit_routes.get(unit, ()):
+            self._route_bytes[route] = released
+        self.released.add(unit)
 
     def sink(self) -> Sink:
         """Where a load of the run plan lands, counted by the tracker."""

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 import torch
 
 from ..checkpoint import Checkpoint
-from ..errors import ClosedError
+from ..errors import ClosedError, LoadError
 from ..planning import Plan
 from ._load import check_progress
 from ._loads import Loads
@@ -116,6 +116,7 @@ class SlabSet:
         spec = self.plan.slabs.get(name)
         if spec is None:
             raise KeyError(f"no slab {name!r} in the plan")
+        self._check_held(spec.unit)
         self._memory.tracker.check(spec.unit)
         return self._memory.tensor(name)
 
@@ -159,7 +160,34 @@ class SlabSet:
     def reset(self) -> None:
         """Mark every unit incomplete; keeps every allocation (pointers stay valid)."""
         self._loads.check_open()
+        self._check_held()
         self._loads.reset()
+
+    def release(self, unit: str) -> None:
+        """Let go of complete ``unit``'s tensors, given with ``tensors=``, while the load goes
+        on: from an ``on_unit_ready`` callback, an engine that replaces a layer's weights as
+        that layer lands (repacking them) then frees the old ones at once, not at the load's
+        end. The unit's slabs are handed out no more, and this SlabSet loads no more (a
+        reload would write into memory the engine may have freed)."""
+        self._loads.check_open()
+        if unit not in self.plan.units:
+            raise KeyError(f"unit {unit!r} is not in the plan")
+        if not self._memory.given:
+            raise LoadError(
+                "release() lets go of tensors given with tensors=; this SlabSet's slabs "
+                "are one allocation of its own, freed whole by aclose()"
+            )
+        self._memory.tracker.check(unit)
+        self._memory.release(unit)
+
+    def _check_held(self, unit: str | None = None) -> None:
+        released = self._memory.released
+        if released and (unit is None or unit in released):
+            which = unit if unit is not None else sorted(released)[0]
+            raise ClosedError(
+                f"unit {which!r} was released (SlabSet.release): its tensors are the "
+                "engine's alone" + ("" if unit is not None else "; this SlabSet loads no more")
+            )
 
     def start(
         self,
@@ -175,6 +203,7 @@ class SlabSet:
         options = options or LoadOptions()
         asyncio.get_running_loop()  # outside one, refused before the state changes
         check_progress(progress)
+        self._check_held()
         load = self._loads.begin(checkpoint, plan, options)
         return self._loads.start(load, self, on_unit_ready, progress)
 
@@ -192,6 +221,7 @@ class SlabSet:
         checkpoint's plan with the same slab layout."""
         options = options or LoadOptions()
         check_progress(progress)
+        self._check_held()
         load = self._loads.begin(checkpoint, plan, options)
         # A task of its own, so that aclose() can cancel this load and wait for its drain
         # (freeing the slabs under running reads would be a use-after-free).

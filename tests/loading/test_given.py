@@ -3,15 +3,17 @@ whose routes are flat runs of a tensor's elements: an engine's own parameters as
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from asyncslab import Checkpoint, LoadOptions, PlanError, SlabSet, TensorInfo, plan
-from asyncslab.errors import CoverageError
+from asyncslab.errors import ClosedError, CoverageError, IncompleteLoadError, LoadError
 from asyncslab.rules import Claim, SlabSpec, make_route
 from support.faults import raw_bytes
 
@@ -73,6 +75,81 @@ async def test_a_load_writes_into_the_given_tensors_in_place(tmp_path: Path, tra
     assert torch.equal(raw_bytes(engine)[:116], loaded[:116])
     await slabs.aclose()
     assert torch.equal(raw_bytes(engine)[:116], loaded[:116])
+
+
+class _Layers:
+    """``a`` into a slab of unit ``layers.0``, ``b`` into one of ``layers.1``: an engine's two
+    layers, each complete on its own."""
+
+    def claim(self, checkpoint: Checkpoint, pending: Mapping[str, TensorInfo]) -> Claim:
+        specs = (
+            SlabSpec("p", "layers.0", torch.float32, (), (4, 6)),
+            SlabSpec("q", "layers.1", torch.bfloat16, (), (10,)),
+        )
+        return Claim(
+            slabs=specs,
+            routes=(make_route(pending["a"], specs[0], ()), make_route(pending["b"], specs[1], ())),
+        )
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transfer", ["direct", "staged", "mapped"])
+async def test_a_released_unit_is_the_engines_alone_while_the_load_goes_on(
+    tmp_path: Path, transfer: str
+) -> None:
+    ckpt, tensors = _checkpoint(tmp_path)
+    p = plan(ckpt, [_Layers()])
+    # Memory whose end can be seen: a tensor over a numpy array keeps the array alive, and
+    # nothing else does.
+    arrays = {"p": np.zeros(24, dtype=np.float32), "q": np.zeros(10, dtype=np.int16)}
+    alive = {name: weakref.ref(array) for name, array in arrays.items()}
+    engine = {
+        "p": torch.from_numpy(arrays["p"]).view(4, 6),
+        "q": torch.from_numpy(arrays["q"]).view(torch.bfloat16),
+    }
+    del arrays
+    slabs = SlabSet(p, tensors=engine)
+    landed: dict[str, torch.Tensor] = {}
+    freed: dict[str, bool] = {}
+
+    async def processed(unit: str, owner: SlabSet) -> None:
+        # The engine replaces the layer's weights with what it computes from them (a
+        # repacking), then asks the load to let go of the old ones.
+        (name,) = [n for n, spec in p.slabs.items() if spec.unit == unit]
+        landed[name] = engine.pop(name).clone()
+        owner.release(unit)
+        freed[name] = alive[name]() is None
+
+    await slabs.load(ckpt, options=LoadOptions(transfer=transfer), on_unit_ready=processed)  # type: ignore[arg-type]
+    assert freed == {"p": True, "q": True}
+    assert torch.equal(landed["p"], tensors["a"])
+    assert torch.equal(landed["q"], tensors["b"])
+    assert slabs.complete
+    with pytest.raises(ClosedError, match="unit 'layers.0' was released"):
+        slabs.slab("p")
+    with pytest.raises(ClosedError, match="loads no more"):
+        slabs.reset()
+    with pytest.raises(ClosedError, match="loads no more"):
+        await slabs.load(ckpt)
+    await slabs.aclose()
+
+
+@pytest.mark.asyncio
+async def test_only_a_complete_unit_of_given_tensors_can_be_released(tmp_path: Path) -> None:
+    ckpt, _ = _checkpoint(tmp_path)
+    p = plan(ckpt, [_Layers()])
+    async with SlabSet(
+        p, tensors={"p": torch.zeros(4, 6), "q": torch.zeros(10).bfloat16()}
+    ) as given:
+        with pytest.raises(IncompleteLoadError, match="unit 'layers.1' is incomplete"):
+            given.release("layers.1")
+        with pytest.raises(KeyError, match="'layers.7' is not in the plan"):
+            given.release("layers.7")
+    async with SlabSet(p) as own:
+        await own.load(ckpt)
+        with pytest.raises(LoadError, match="one allocation of its own"):
+            own.release("layers.0")
+        assert own.slab("p").shape == (4, 6)
 
 
 def test_given_tensors_must_be_the_plans_slabs(tmp_path: Path) -> None:
