@@ -46,7 +46,7 @@ from ..planning import (
     unit_of_layer,
 )
 from ._overwrites import resolve
-from ._recording import Capture, Run
+from ._recording import Capture, Run, Write
 
 __all__ = ["IntoPlan", "plan_into"]
 
@@ -59,7 +59,9 @@ class IntoPlan:
     ``defaulted`` are the optional tensors no checkpoint tensor writes: they keep the
     values the engine gave them. ``overwritten`` are tensors every byte of which a later
     tensor writes again, by the engine's design (:mod:`._overwrites`): not read;
-    ``shared`` every tensor that writes a byte another writes too."""
+    ``shared`` every tensor that writes a byte another writes too. ``transformed_units``:
+    per transformed tensor, the units of the engine's tensors it writes (none where the
+    recording saw it write nothing)."""
 
     plan: Plan
     tensors: Mapping[str, torch.Tensor]
@@ -69,6 +71,9 @@ class IntoPlan:
     defaulted: tuple[str, ...] = ()
     overwritten: tuple[str, ...] = ()
     shared: frozenset[str] = frozenset()
+    transformed_units: Mapping[str, frozenset[str]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({})
+    )
 
     @property
     def transformed_bytes(self) -> int:
@@ -132,7 +137,25 @@ def plan_into(
         defaulted=defaulted,
         overwritten=overwritten,
         shared=frozenset(to_checkpoint.get(n, n) for n in resolved.shared),
+        transformed_units=_units_written(captured, transformed, to_checkpoint),
     )
+
+
+def _units_written(
+    captured: Capture, transformed: Mapping[str, str], to_checkpoint: Mapping[str, str]
+) -> Mapping[str, frozenset[str]]:
+    """Per transformed checkpoint tensor, the units of the targets its writes and runs land
+    in: a layer it alone completes can be handed to the engine once its reads have."""
+    if not transformed:
+        return MappingProxyType({})
+    target_unit = [unit_of_layer(name) for name, _ in captured.targets]
+    units: dict[str, set[str]] = defaultdict(set)
+    pieces: Iterable[Write | Run] = itertools.chain(captured.writes, captured.runs)
+    for piece in pieces:
+        name = to_checkpoint.get(piece.tensor, piece.tensor)
+        if name in transformed:
+            units[name].add(target_unit[piece.target])
+    return MappingProxyType({n: frozenset(units.get(n, ())) for n in transformed})
 
 
 def _stored_order(

@@ -17,8 +17,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import queue
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +29,7 @@ from .._os import run
 from ..checkpoint import Checkpoint
 from ..errors import LoadError
 from ..loading import LoadOptions, LoadStatistics, ProgressCallback, SlabSet
+from ..planning import Plan
 from ._coverage import IntoPlan, plan_into
 from ._derive import Derivation, capture_derived
 from ._hugepages import advise_huge_pages
@@ -62,7 +64,7 @@ class Engine:
     """
 
     load: WeightLoader
-    parameters: tuple[tuple[str, torch.Tensor], ...]
+    parameters: Sequence[tuple[str, torch.Tensor]]
     buffers: tuple[tuple[str, torch.Tensor], ...] = ()
     names: Mapping[str, str] | None = None
     optional: frozenset[str] = frozenset()
@@ -100,6 +102,8 @@ class EngineLoad:
     recorded: int = 0
     plan_s: float = 0.0
     overwritten: tuple[str, ...] = ()
+    #: The units handed to ``on_unit`` as they landed, in that order.
+    handed: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
@@ -113,6 +117,7 @@ def load_into_engine(
     options: LoadOptions | None = None,
     progress: ProgressCallback | None = None,
     placed: Callable[[Placement], object] | None = None,
+    on_unit: Callable[[str], object] | None = None,
 ) -> EngineLoad:
     """Load ``checkpoint`` into ``engine``'s tensors where its own loader would put each
     byte, in place (every parameter keeps its memory), and return what was done.
@@ -123,10 +128,22 @@ def load_into_engine(
     a parameter's memory, :class:`~asyncslab.errors.CoverageError` (before any read) for a
     parameter byte no tensor or two tensors write, and the load's errors. ``placed`` is
     given where each tensor the loader copies whole went (:mod:`._placement`), for a
-    reload to read into again."""
+    reload to read into again.
+
+    ``on_unit`` is called in this thread with each layer's unit (``layers.N``) as soon as
+    all its bytes are written, while later layers are still read (an engine processes a
+    layer's weights then): its reads landed, then the tensors the loader transforms that
+    write into that layer alone handed to the loader. A layer another transformed tensor
+    writes into too (or a byte of which two tensors write) is not handed over: the engine
+    processes it after the load, as the ``globals`` unit, what lies outside the layers.
+    By then the load holds no reference to the unit's tensors, and it holds none to
+    ``engine.parameters`` where that is a list (emptied once planned): a parameter that
+    ``on_unit`` replaces is freed as it drops it. If ``on_unit`` raises, the load is
+    cancelled and its error raised."""
     options = options or LoadOptions()
     started = time.perf_counter()
     device = _one_device(engine.parameters)
+    parameters = len({id(p) for _, p in engine.parameters})
     names = engine.names if engine.names is not None else {n: n for n in checkpoint.tensors}
     # Before the first touch (the recording's fills are one), where huge pages are asked
     # for (off by default, see _hugepages): the parameters then fault in once per huge page
@@ -139,24 +156,49 @@ def load_into_engine(
         captured, derivation = _record(checkpoint, engine, names)
         recorded = time.perf_counter()
         into = _plan(checkpoint, captured, engine, names, placed)
+        del captured  # its views of every parameter, which outlive a layer's processing
         planned = time.perf_counter()
+        handed: list[str] = []
+        fed: set[str] = set()
+        early = _early(into) if on_unit is not None and into.plan.routes else None
+        if on_unit is not None and early is not None:
+            feed, late = early
+            if isinstance(engine.parameters, list):
+                engine.parameters.clear()
+            views = dict(into.tensors)
+            into = dataclasses.replace(into, tensors={})
+
+            def hand(unit: str) -> None:
+                if unit in late:
+                    return
+                if feed.get(unit):
+                    _transform(checkpoint, engine, feed[unit], names, options)
+                    fed.update(feed[unit])
+                on_unit(unit)
+                handed.append(unit)
+
+            loaded = _load_handing_units(
+                lambda ready: _load(checkpoint, into.plan, views, device, options, progress, ready),
+                hand,
+            )
         # Every tensor transformed (a model served in another dtype): nothing to read, no
         # loop, threads or slabs to start for it.
-        loaded = (
-            run_sync(_load(checkpoint, into, device, options, progress))
-            if into.plan.routes
-            else None
-        )
+        elif into.plan.routes:
+            views = dict(into.tensors)
+            loaded = run_sync(_load(checkpoint, into.plan, views, device, options, progress))
+        else:
+            loaded = None
     reads_done = time.perf_counter()
-    if into.transformed:
-        _transform(checkpoint, engine, into.transformed, names, options)
+    rest = [name for name in into.transformed if name not in fed]
+    if rest:
+        _transform(checkpoint, engine, rest, names, options)
     finished = time.perf_counter()
     return EngineLoad(
         files=len(checkpoint.files),
         tensors=len(checkpoint.tensors),
         bytes=loaded.bytes_landed if loaded is not None else 0,
         runs=len(into.plan.routes),
-        parameters=len({id(p) for _, p in engine.parameters}),
+        parameters=parameters,
         transformed=tuple(into.transformed),
         transformed_bytes=into.transformed_bytes,
         skipped=into.skipped,
@@ -168,6 +210,7 @@ def load_into_engine(
         load_s=loaded.elapsed_s if loaded is not None else 0.0,
         transformed_s=finished - reads_done,
         total_s=finished - started,
+        handed=tuple(handed),
     )
 
 
@@ -236,18 +279,86 @@ def _transform(
 
 async def _load(
     checkpoint: Checkpoint,
-    into: IntoPlan,
+    plan: Plan,
+    views: MutableMapping[str, torch.Tensor],
     device: torch.device,
     options: LoadOptions,
     progress: ProgressCallback | None,
+    ready: Callable[[str], None] | None = None,
 ) -> LoadStatistics:
-    slabs = SlabSet(into.plan, device, tensors=into.tensors)
+    """The plan's load into ``views`` (the engine's tensors; the SlabSet keeps them, this
+    mapping is emptied). ``ready``: given each unit as it completes, the unit released."""
+    slabs = SlabSet(plan, device, tensors=views)
+    views.clear()
+    landed = None
+    if ready is not None:
+
+        async def landed(unit: str, owner: SlabSet) -> None:
+            owner.release(unit)
+            ready(unit)
+
     try:
-        await slabs.load(checkpoint, options=options, progress=progress)
+        await slabs.load(checkpoint, options=options, progress=progress, on_unit_ready=landed)
         return slabs.statistics()
     finally:
         # The SlabSet only lent itself the engine's tensors; closing it frees none of them.
         await slabs.aclose()
+
+
+def _early(into: IntoPlan) -> tuple[dict[str, list[str]], frozenset[str]] | None:
+    """Per layer, the transformed tensors that write into it alone, to be handed to the
+    loader once its reads have landed, in the order the loader takes them; and the layers
+    that wait for the load's end (written by a transformed tensor that writes elsewhere
+    too, or writes a byte another tensor writes). ``None``: a transformed tensor of which
+    the recording saw no write, so that no layer is known complete before the end."""
+    feed: dict[str, list[str]] = {}
+    late: set[str] = set()
+    for name in into.transformed:
+        units = into.transformed_units.get(name, frozenset())
+        if not units:
+            return None
+        (unit, *others) = units
+        if others or unit == "globals" or name in into.shared:
+            late.update(units)
+        else:
+            feed.setdefault(unit, []).append(name)
+    return feed, frozenset(late)
+
+
+def _load_handing_units(
+    load: Callable[[Callable[[str], None]], Coroutine[Any, Any, LoadStatistics]],
+    hand: Callable[[str], object],
+) -> LoadStatistics:
+    """``load`` run on an event loop in a thread of its own, each layer's unit it reports
+    ready given to ``hand`` in this thread (the engine's: its device, its modes) while the
+    load goes on. An error of ``hand``'s cancels the load."""
+    units: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+    running: list[tuple[asyncio.AbstractEventLoop, asyncio.Task[Any]]] = []
+
+    def ready(unit: str) -> None:
+        if unit != "globals":
+            units.put(unit)
+
+    async def owned() -> LoadStatistics:
+        task = asyncio.current_task()
+        assert task is not None
+        running.append((asyncio.get_running_loop(), task))
+        return await load(ready)
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asyncslab") as pool:
+        future = pool.submit(run, owned())
+        future.add_done_callback(lambda _: units.put(None))
+        try:
+            while (unit := units.get()) is not None:
+                hand(unit)
+        except BaseException:
+            for loop, task in running:
+                with contextlib.suppress(RuntimeError):  # its loop closed: the load ended
+                    loop.call_soon_threadsafe(task.cancel)
+            with contextlib.suppress(BaseException):
+                future.result()
+            raise
+        return future.result()
 
 
 def _one_device(parameters: Iterable[tuple[str, torch.Tensor]]) -> torch.device:

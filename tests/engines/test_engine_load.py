@@ -6,9 +6,13 @@ exactly what its loader writes given the tensors safetensors reads, in the memor
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -49,6 +53,9 @@ class Fused(nn.Module):
                 continue
             elif name == "scale":
                 self.scale.data.copy_(w)
+            elif name == "norms":  # every layer's norm from one tensor, a row each
+                for row, layer in zip(w, self.layers, strict=True):
+                    layer.norm.data.copy_(row)
             elif parts[0] == "layers":
                 layer = self.layers[int(parts[1])]
                 kind = parts[2]
@@ -187,6 +194,102 @@ def test_a_model_served_in_another_dtype_is_all_transformed_and_read_by_nothing_
     with pytest.raises(CoverageError, match=r"of 'layers\.1\.qkv'"):
         load_into_engine(ckpt, engine_of(model, ckpt))
     assert (model.layers[1].qkv == 9).all()
+
+
+def _numpy_backed(model: Fused) -> list[weakref.ref[np.ndarray]]:
+    """Each layer's ``qkv`` moved onto memory whose end can be seen: a numpy array, which
+    only that parameter's storage keeps alive."""
+    arrays = [np.full((12, 4), 9.0, dtype=np.float32) for _ in model.layers]
+    for layer, array in zip(model.layers, arrays, strict=True):
+        layer.qkv = nn.Parameter(torch.from_numpy(array), False)
+    return [weakref.ref(array) for array in arrays]
+
+
+def test_each_layer_is_handed_over_once_landed_and_weights_it_replaces_are_freed(
+    tmp_path: Path,
+) -> None:
+    """As an engine that repacks a layer's weights once they land: each layer is handed
+    over in the engine's thread with its bytes complete, and a weight it replaces is
+    freed there and then, with the load still holding every other layer."""
+    ckpt = write(tmp_path, {n: t.float() for n, t in weights().items()})  # nothing cast
+    expected = state(by_its_own_loader(ckpt, Fused(torch.float32)))
+    model = Fused(torch.float32)
+    alive = _numpy_backed(model)
+    engine = dataclasses.replace(engine_of(model, ckpt), parameters=list(model.named_parameters()))
+    threads: set[int] = set()
+    freed: dict[str, bool] = {}
+
+    def processed(unit: str) -> None:
+        threads.add(threading.get_ident())
+        layer = model.layers[int(unit.removeprefix("layers."))]
+        assert torch.equal(state(layer)["qkv"], expected[f"{unit}.qkv"])
+        assert torch.equal(state(layer)["norm"], expected[f"{unit}.norm"])
+        layer.qkv = nn.Parameter(layer.qkv.detach() * 2, False)
+        freed[unit] = alive[int(unit.removeprefix("layers."))]() is None
+
+    report = load_into_engine(ckpt, engine, on_unit=processed)
+    assert sorted(report.handed) == ["layers.0", "layers.1"]  # not the globals
+    assert threads == {threading.get_ident()}
+    assert freed == {"layers.0": True, "layers.1": True}
+    assert engine.parameters == []  # let go of once planned
+    assert report.parameters == 1 + 2 * LAYERS + 1
+    for name, tensor in state(model).items():
+        want = expected[name]
+        if name.endswith(".qkv"):
+            want = (want.view(torch.float32) * 2).view(torch.uint8)
+        assert torch.equal(tensor, want), name
+
+
+def test_a_layer_is_handed_over_once_the_tensors_the_loader_casts_into_it_are_loaded(
+    tmp_path: Path,
+) -> None:
+    """A layer's float32 norm goes through the engine's loader (a cast): it is handed to
+    the loader once the layer's reads have landed, before the layer is handed over."""
+    ckpt = write(tmp_path, weights())
+    expected = state(by_its_own_loader(ckpt))
+    model = Fused()
+    handed: list[str] = []
+
+    def processed(unit: str) -> None:
+        layer = state(model.layers[int(unit.removeprefix("layers."))])
+        assert torch.equal(layer["norm"], expected[f"{unit}.norm"])
+        assert torch.equal(layer["qkv"], expected[f"{unit}.qkv"])
+        handed.append(unit)
+
+    report = load_into_engine(ckpt, engine_of(model, ckpt), on_unit=processed)
+    assert sorted(handed) == ["layers.0", "layers.1"]
+    assert list(report.handed) == handed
+    assert report.transformed == ("layers.0.norm", "layers.1.norm")
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
+
+
+def test_layers_a_cast_tensor_writes_together_are_left_to_the_end(tmp_path: Path) -> None:
+    """One float32 tensor cast into both layers' norms: neither layer is complete before
+    the loader is handed it, after the reads, so neither is handed over early."""
+    tensors = weights()
+    tensors["norms"] = torch.stack([tensors.pop(f"layers.{i}.norm") for i in range(LAYERS)])
+    ckpt = write(tmp_path, tensors)
+    model = Fused()
+    handed: list[str] = []
+    report = load_into_engine(ckpt, engine_of(model, ckpt), on_unit=handed.append)
+    assert (handed, report.handed, report.transformed) == ([], (), ("norms",))
+    expected = state(by_its_own_loader(ckpt))
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
+
+
+def test_an_error_handing_a_layer_over_stops_the_load_and_is_raised(tmp_path: Path) -> None:
+    ckpt = write(tmp_path, {n: t.float() for n, t in weights().items()})
+    model = Fused(torch.float32)
+
+    def broken(unit: str) -> None:
+        raise RuntimeError(f"cannot repack {unit}")
+
+    with pytest.raises(RuntimeError, match=r"cannot repack layers\.\d"):
+        load_into_engine(ckpt, engine_of(model, ckpt), on_unit=broken)
+    # The engine can load again: nothing of the failed load is left running.
+    load_into_engine(ckpt, engine_of(model, ckpt))
+    expected = state(by_its_own_loader(ckpt, Fused(torch.float32)))
+    assert all(torch.equal(t, expected[n]) for n, t in state(model).items())
 
 
 def _reload(model: Fused, ckpt: Checkpoint, placement: Placement) -> Placer:
