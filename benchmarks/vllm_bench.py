@@ -67,6 +67,8 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     },
     "runai_streamer": {"load_format": "runai_streamer"},
     "asyncslab": {"load_format": "asyncslab"},
+    # Each layer processed as it lands, while later layers are read (off by default).
+    "asyncslab-landed": {"load_format": "asyncslab", "extra": {"process_as_loaded": True}},
     # Huge pages asked for (they are off by default): what they change, in the same run.
     "asyncslab-huge": {"load_format": "asyncslab", "env": {"ASYNCSLAB_HUGE_PAGES": "1"}},
 }
@@ -512,7 +514,7 @@ def _jobs(names: list[str], paths: list[str]) -> list[tuple[str, str]]:
         if mode in paths:
             jobs += [(mode, n) for n in (*PAIR, "asyncslab-huge") if n in names]
     if "model" in paths:
-        jobs += [("model", n) for n in PAIR if n in names]
+        jobs += [("model", n) for n in (*PAIR, "asyncslab-landed") if n in names]
     return jobs
 
 

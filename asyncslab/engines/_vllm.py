@@ -38,6 +38,7 @@ from ..errors import CheckpointError
 from ..loading import LoadOptions, LoadStatistics
 from ._engine_load import Engine, EngineLoad, WeightLoader, host, load_into_engine
 from ._vllm_object_store import install, object_weights, open_checkpoint
+from ._vllm_process import LayerProcessing
 from ._vllm_reload import ReloadReport, reload_tensors, remember
 
 __all__ = [
@@ -68,7 +69,12 @@ def register() -> None:
 #: ``place_local_files``: a reload reads a local checkpoint's tensors straight into vLLM's
 #: parameters too, as it does from object storage (else it hands vLLM views of the files'
 #: mappings, which measured faster; docs/vllm.md, "Reloading in place").
-_LOADER_KEYS = ("place_local_files",)
+#: ``process_as_loaded``: each layer's weights processed as soon as it has landed, while
+#: later layers are read (:mod:`._vllm_process`); else all after the load, as vLLM does.
+#: Off by default: on a CPU the processing's threads and the reads share the cores, and
+#: the measured gain is where the reads wait on a network (docs/vllm.md, "Processing each
+#: layer as it lands").
+_LOADER_KEYS = ("place_local_files", "process_as_loaded")
 
 
 def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
@@ -90,11 +96,11 @@ def options_from_config(config: Mapping[str, Any] | None) -> LoadOptions:
         raise ValueError(f"load format {LOAD_FORMAT!r}: model_loader_extra_config: {err}") from err
 
 
-def _place_local_files(config: Mapping[str, Any] | None) -> bool:
-    value = (config or {}).get("place_local_files", False)
+def _flag(config: Mapping[str, Any] | None, key: str, default: bool) -> bool:
+    value = (config or {}).get(key, default)
     if not isinstance(value, bool):
         raise ValueError(
-            f"load format {LOAD_FORMAT!r}: model_loader_extra_config: place_local_files "
+            f"load format {LOAD_FORMAT!r}: model_loader_extra_config: {key} "
             f"must be true or false, got {value!r}"
         )
     return value
@@ -123,6 +129,8 @@ class LoadReport(EngineLoad):
             )
         else:
             rest.append("none transformed")
+        if self.handed:
+            rest.append(f"{len(self.handed)} layers processed as they landed")
         if self.skipped:
             rest.append(f"{len(self.skipped)} skipped by vLLM ({', '.join(self.skipped[:3])})")
         if self.overwritten:
@@ -153,7 +161,12 @@ class AsyncSlabLoader(BaseModelLoader):
     def __init__(self, load_config: Any) -> None:
         super().__init__(load_config)
         self.options = options_from_config(load_config.model_loader_extra_config)
-        self.place_local_files = _place_local_files(load_config.model_loader_extra_config)
+        extra = load_config.model_loader_extra_config
+        self.place_local_files = _flag(extra, "place_local_files", False)
+        self.process_as_loaded = _flag(extra, "process_as_loaded", False)
+        # Set while vLLM's load_model runs this loader (a bare load_weights processes
+        # nothing: its caller processes the whole model after).
+        self._within: _Within | None = None
         # vLLM's own file selection (download, index filtering, patterns), configured as
         # for safetensors, which is what this format reads.
         self._files = DefaultModelLoader(
@@ -173,8 +186,15 @@ class AsyncSlabLoader(BaseModelLoader):
         # what the load left behind. Each full pass also walks every object the worker held
         # before (its imports: hundreds of thousands), costing more than reading a small
         # model; with that heap set aside the passes walk what the load made, and free it.
-        with _only_new_objects_collected():
-            model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+        load_device = vllm_config.load_config.device or vllm_config.device_config.device
+        # Layers processed as they land are left alone by vLLM's pass, once load_weights has
+        # processed them, until the pass is over (``_vllm_process``).
+        with _only_new_objects_collected(), contextlib.ExitStack() as after_vllms_pass:
+            self._within = _Within(torch.device(load_device), after_vllms_pass)
+            try:
+                model: nn.Module = super().load_model(vllm_config, model_config, prefix)
+            finally:
+                self._within = None
         return model
 
     def load_weights(self, model: nn.Module, model_config: Any) -> None:
@@ -188,10 +208,15 @@ class AsyncSlabLoader(BaseModelLoader):
     def _load_weights(self, model: nn.Module, model_config: Any) -> None:
         started = time.perf_counter()
         checkpoint, names = self._checkpoint(model, model_config)
+        within, layers = self._within, None
+        if within is not None and self.process_as_loaded:
+            layers = LayerProcessing.of(model, model_config, within.target)
         engine = Engine(
             # Every vLLM model has one; nn.Module's typing only knows it as an attribute.
             load=cast(WeightLoader, model.load_weights),
-            parameters=tuple(model.named_parameters(remove_duplicate=False)),
+            # A list, which the load empties once planned: a weight a layer's processing
+            # replaces is freed then, not at the load's end.
+            parameters=list(model.named_parameters(remove_duplicate=False)),
             buffers=tuple(model.named_buffers(remove_duplicate=False)),
             names=names,
             optional=frozenset(_optional(model)),
@@ -205,7 +230,10 @@ class AsyncSlabLoader(BaseModelLoader):
             options=self.options,
             progress=_LogProgress(logger),
             placed=lambda placement: remember(model, placement),
+            on_unit=layers,
         )
+        if within is not None and layers is not None and layers.processed:
+            within.after_vllms_pass.enter_context(layers.skipped_by_vllm())
         # vLLM's file selection counts with the recording: both come before the reads.
         before = entered - started
         figures = {f.name: getattr(done, f.name) for f in dataclasses.fields(done)}
@@ -319,6 +347,15 @@ def _only_new_objects_collected() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Within:
+    """vLLM's load_model, running this loader: the device it processes the weights on, and
+    what is undone once its processing pass is over."""
+
+    target: torch.device
+    after_vllms_pass: contextlib.ExitStack
 
 
 def _reading_order(checkpoint: Checkpoint, names: Mapping[str, str]) -> Callable[[str], Any]:

@@ -177,6 +177,17 @@ def loads(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
             "formats": ["asyncslab"],
             "extra": {"place_local_files": "yes"},
         },
+        {
+            "name": "landed-bare",
+            "model": str(models["mixtral"]),
+            "extra": {"process_as_loaded": True},
+        },
+        {
+            "name": "bad-flag-2",
+            "model": str(models["llama"]),
+            "formats": ["asyncslab"],
+            "extra": {"process_as_loaded": 1},
+        },
     ]
     return _worker("loads", cases, tmp)
 
@@ -481,6 +492,34 @@ def test_an_index_naming_a_missing_file_fails_naming_it(loads: dict[str, Any]) -
     assert "model-00003-of-" in case["message"]
 
 
+def test_a_bare_load_weights_processes_no_layer_even_when_asked(loads: dict[str, Any]) -> None:
+    """``process_as_loaded`` acts inside vLLM's ``load_model``, which processes after; whoever
+    calls ``load_weights`` alone processes the model itself after, so nothing is processed
+    early: every byte as ``auto`` wrote it, in vLLM's memory."""
+    case = loads["landed-bare"]
+    assert case["differ"] == []
+    assert case["pointers_kept"] == {"auto": True, "asyncslab": True}
+    assert case["report"]["handed"] == []
+
+
+def test_only_modules_of_one_layer_alone_are_processed_as_it_lands(tmp_path: Path) -> None:
+    """A module is processed with its layer only where nothing of it is another layer's or
+    vLLM's pass's to order: attention, a method another layer's module shares, a weight two
+    layers share and what lies outside the layers wait for vLLM's pass; a module processed
+    early is left alone by that pass, and its method is itself again after it."""
+    result = _worker("layers", [], tmp_path)
+    assert result["early"] == ["own"]
+    assert result["in_vllms_pass"] == [
+        "attention",
+        "method shared",
+        "method shared too",
+        "weight shared",
+        "weight shared too",
+        "outside the layers",
+    ]
+    assert result["after_the_pass"] == ["own"]
+
+
 def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, Any]) -> None:
     unknown, bad, flag = loads["unknown-key"], loads["bad-value"], loads["bad-flag"]
     assert unknown["error"] == "ValueError"
@@ -491,6 +530,9 @@ def test_extra_config_keys_and_values_are_checked_at_startup(loads: dict[str, An
     assert "LoadOptions.io_workers must be positive" in bad["message"]
     assert flag["error"] == "ValueError"
     assert "place_local_files must be true or false, got 'yes'" in flag["message"]
+    other = loads["bad-flag-2"]
+    assert other["error"] == "ValueError"
+    assert "process_as_loaded must be true or false, got 1" in other["message"]
 
 
 # --- the engine end to end --------------------------------------------------------------
@@ -504,21 +546,57 @@ KERNELS = {"llama-awq": ["cpu_gemm_wna16"]}
 
 
 def _assert_greedy_equal(result: dict[str, Any]) -> None:
+    """The same tokens, every parameter byte as served (processed) the same, and the same
+    parameters replaced by vLLM's processing: the rest stay in the memory vLLM gave them.
+    So too, where the case ran it, with each layer processed as it landed (``landed``)."""
     for name, case in result.items():
         tokens = case["tokens"]
         assert tokens["asyncslab"] == tokens["auto"], name
         assert all(len(t) == 8 for t in tokens["auto"]), name
         assert case["differ"] == [], name
-        assert case["pointers_kept"]["asyncslab"], name
+        assert case["same_names"], name
+        assert case["replaced"]["asyncslab"] == case["replaced"]["auto"], name
+        # By default every layer is processed after the load, as vLLM does.
+        assert case["reports"]["asyncslab"]["handed"] == [], name
+        if "landed" in tokens:
+            assert tokens["landed"] == tokens["auto"], name
+            assert case["landed"]["differ"] == [], name
+            assert case["landed"]["same_names"], name
+            assert case["replaced"]["landed"] == case["replaced"]["auto"], name
+
+
+LAYERS = ["layers.0", "layers.1"]
+
+
+def _handed(case: dict[str, Any]) -> list[str]:
+    """The layers processed as they landed, with ``process_as_loaded`` on."""
+    return sorted(case["reports"]["landed"]["handed"])
 
 
 def test_greedy_tokens_equal_autos(models: dict[str, Path], tmp_path: Path) -> None:
-    cases = [_case(n, p) for n, p in models.items() if n not in KERNELS]
-    cases.append({"name": "mixtral-float32", "model": str(models["mixtral"]), "dtype": "float32"})
+    """Served, with every layer processed after the load as vLLM does (the default), or
+    each as it lands (``process_as_loaded``, the ``landed`` engine): what vLLM serves is
+    what it serves under ``auto``, on every architecture the tests load."""
+    cases = [_case(n, p, landed=True) for n, p in models.items() if n not in KERNELS]
+    cases.append(
+        {"name": "mixtral-float32", "model": str(models["mixtral"]), "dtype": "float32"}
+        | {"landed": True}
+    )
+    others = {name: write_model(tmp_path / name, name) for name in OTHER_ARCHITECTURES}
+    cases += [_case(name, model, landed=True) for name, model in others.items()]
     result = _worker("generate", cases, tmp_path)
     _assert_greedy_equal(result)
     for name, case in result.items():
         _assert_only_new_objects_collected(name, case["collections"])
+        # Processing replaced weights (the CPU's packed linear layers).
+        assert case["replaced"]["auto"], name
+        if name != "mixtral-float32":
+            assert _handed(case) == LAYERS, name
+    # Served in float32, every tensor is cast by vLLM's loaders after the reads (none is
+    # read in place): no layer is complete before the end.
+    assert _handed(result["mixtral-float32"]) == []
+    # A layer whose float32 tensors vLLM's loaders cast was handed once they were.
+    assert result["deepseek_v3"]["reports"]["landed"]["transformed"]
 
 
 def _assert_only_new_objects_collected(name: str, collections: dict[str, Any]) -> None:
@@ -773,7 +851,8 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
         [
             sys.executable, "-m", "benchmarks.vllm_bench",
             "--model", str(models["mixtral"]), "--rounds", "1", "--paths", "warm,cold,reload,model",
-            "--only", "auto,asyncslab,bound-preadv-fresh", "--json", str(tmp_path / "b.json"),
+            "--only", "auto,asyncslab,asyncslab-landed,bound-preadv-fresh",
+            "--json", str(tmp_path / "b.json"),
         ],
         env=_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
@@ -789,7 +868,7 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
     assert "| reload: vLLM's reload_weights after processing |" in run.stdout
     result = json.loads((tmp_path / "b.json").read_text())
     rows = {r["contender"]: r for r in result["rows"]}
-    assert set(rows) == {"auto", "asyncslab", "bound-preadv-fresh"}
+    assert set(rows) == {"auto", "asyncslab", "asyncslab-landed", "bound-preadv-fresh"}
     for name in ("auto", "asyncslab"):
         assert rows[name]["pointers_kept"]
         assert rows[name]["process_weights_s"] >= 0
@@ -802,7 +881,7 @@ def test_the_benchmark_compares_formats_on_the_same_bytes(
     assert rows["asyncslab"]["capture_s"] > 0
     # vLLM's get_model whole, and its parts: the collections' share is timed apart.
     assert "| model: vLLM's get_model" in run.stdout
-    for name in ("auto", "asyncslab"):
+    for name in ("auto", "asyncslab", "asyncslab-landed"):
         (whole,) = result["runs"]["model"][name]
         parts = sum(whole[k] for k in ("create_s", "load_weights_s", "gc_s", "process_s"))
         assert 0 < parts <= whole["get_model_s"], whole

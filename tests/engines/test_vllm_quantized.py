@@ -44,7 +44,7 @@ from tests.engines.compressed_models import (
     write_w8a8_int8_model,
 )
 from tests.engines.modelopt_models import write_modelopt_models
-from tests.engines.test_vllm import _assert_greedy_equal, _worker
+from tests.engines.test_vllm import LAYERS, _assert_greedy_equal, _handed, _worker
 from tests.engines.test_vllm import pytestmark as vllm_marks
 
 pytestmark = vllm_marks
@@ -337,8 +337,16 @@ def test_formats_this_cpu_can_serve_answer_as_auto_does(tmp_path: Path) -> None:
         "modelopt-nvfp4-qwen3": write_modelopt_nvfp4_model(tmp_path / "nvfp4", "qwen3"),
         **write_modelopt_models(tmp_path / "modelopt", {"mo-nvfp4-llama": ("llama", "NVFP4")}),
     }
-    cases = [{"name": n, "model": str(m), "select_kernels": True} for n, m in models.items()]
-    _assert_greedy_equal(_worker("generate", cases, tmp_path))
+    cases = [
+        {"name": n, "model": str(m), "select_kernels": True, "landed": True}
+        for n, m in models.items()
+    ]
+    result = _worker("generate", cases, tmp_path)
+    _assert_greedy_equal(result)
+    # Each layer's quantized linears processed as the layer landed, as vLLM's pass would.
+    assert all(_handed(case) == LAYERS for case in result.values()), {
+        n: _handed(c) for n, c in result.items()
+    }
 
 
 def test_a_quantized_model_over_two_ranks_answers_as_auto_does(tmp_path: Path) -> None:

@@ -83,13 +83,13 @@ def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
     for case in cases:
         record: dict[str, Any] = {"tokens": {}}
         snapshots: dict[str, Any] = {}
-        with _watching(record, snapshots):
+        with _watching(record, snapshots, served=True):
             llm, record["tokens"]["auto"] = _greedy(
                 {"model": case["local"]}, "auto", distributed_executor_backend="uni"
             )
         del llm
         gc.collect()
-        with _watching(record, snapshots):
+        with _watching(record, snapshots, served=True):
             llm, record["tokens"]["asyncslab"] = _greedy(
                 {"model": case["uri"]},
                 "asyncslab",

@@ -10,8 +10,8 @@ error raised (type, message, the error's ``tensor``).
 
 ``python tests/engines/vllm_worker.py generate CASES.json OUT.json``: per case, ``LLM(...)`` with
 each load format in turn (in this process: ``distributed_executor_backend="uni"``), the
-greedy tokens of a few prompts, and the same byte and pointer checks around the loader's
-``load_weights``.
+greedy tokens of a few prompts, every parameter's bytes as served (after vLLM's processing)
+and the parameters processing replaced, and the loader's report.
 
 ``python tests/engines/vllm_worker.py reload CASES.json OUT.json``: per case, ``LLM(...)``
 loaded with the case's format (default ``asyncslab``), then vLLM's in-place
@@ -65,30 +65,47 @@ def _error(err: BaseException) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _watching(
-    record: dict[str, Any], snapshots: dict[str, dict[str, torch.Tensor]]
+    record: dict[str, Any],
+    snapshots: dict[str, dict[str, torch.Tensor]],
+    *,
+    served: bool = False,
+    label: str | None = None,
 ) -> Iterator[None]:
-    """Wrap both loaders' ``load_weights``: addresses before and after, bytes after."""
+    """Wrap both loaders' ``load_weights``: addresses before and after, bytes after. With
+    ``served`` (an engine's whole ``load_model``), bytes as served, after vLLM's processing
+    (asyncslab may process layers inside ``load_weights`` as they land), and the parameters
+    processing replaced (``replaced``) instead of whether ``load_weights`` kept every one.
+    Recorded under the load format's name, or ``label``; reports also in ``reports``."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from asyncslab.engines._vllm import AsyncSlabLoader
 
+    befores: dict[str, dict[str, int]] = {}
+    # Served, each parameter's storage as load_weights found it, held until load_model
+    # returns: a storage processing replaces is then not freed, so that the new one cannot
+    # take its address and look like the same memory.
+    held: dict[str, list[Any]] = {}
     originals: list[tuple[type, Callable[..., Any]]] = []
     for cls in (DefaultModelLoader, AsyncSlabLoader):
         original = cls.load_weights
 
         def wrapped(self: Any, model: Any, model_config: Any, _orig: Any = original) -> None:
-            before = {n: p.data_ptr() for n, p in model.named_parameters()}
+            fmt = label or self.load_config.load_format
+            before = befores[fmt] = {n: p.data_ptr() for n, p in model.named_parameters()}
+            if served:
+                held[fmt] = [p.untyped_storage() for p in model.parameters()]
             _orig(self, model, model_config)
             after = {n: p.data_ptr() for n, p in model.named_parameters()}
-            fmt = self.load_config.load_format
-            record.setdefault("pointers_kept", {})[fmt] = before == after
-            snapshots[fmt] = _bytes(model)
+            if not served:
+                record.setdefault("pointers_kept", {})[fmt] = before == after
+                snapshots[fmt] = _bytes(model)
             record["dtypes"] = {
                 n: str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters()
             }
             report = getattr(self, "report", None)
             if report is not None:
                 record["report"] = dataclasses.asdict(report)
+                record.setdefault("reports", {})[fmt] = record["report"]
 
         originals.append((cls, original))
         cls.load_weights = wrapped  # type: ignore[method-assign]
@@ -126,15 +143,23 @@ def _watching(
 
             before = gc.get_freeze_count()
             gc.callbacks.append(full)
+            fmt = label or self.load_config.load_format
             try:
-                return _orig(self, *args, **kwargs)
+                model = _orig(self, *args, **kwargs)
             finally:
                 gc.callbacks.remove(full)
-                record.setdefault("collections", {})[self.load_config.load_format] = {
+                record.setdefault("collections", {})[fmt] = {
                     "frozen_before": before,
                     "frozen_during": frozen,
                     "frozen_after": gc.get_freeze_count(),
                 }
+            if served:
+                snapshots[fmt] = _bytes(model)
+                record.setdefault("replaced", {})[fmt] = sorted(
+                    n for n, p in model.named_parameters() if befores[fmt].get(n) != p.data_ptr()
+                )
+                del held[fmt]
+            return model
 
         cls.load_model = watched  # type: ignore[method-assign]
     try:
@@ -250,12 +275,20 @@ def generate(cases: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         record: dict[str, Any] = {"tokens": {}}
         snapshots: dict[str, dict[str, torch.Tensor]] = {}
-        for fmt in ("auto", "asyncslab"):
-            with _watching(record, snapshots):
-                llm, record["tokens"][fmt] = _greedy(case, fmt, distributed_executor_backend="uni")
+        # "landed": asyncslab again, each layer processed as it lands.
+        for label in ("auto", "asyncslab", *(["landed"] if case.get("landed") else [])):
+            fmt, run = label, case
+            if label == "landed":
+                fmt = "asyncslab"
+                run = {**case, "extra": {**case.get("extra", {}), "process_as_loaded": True}}
+            with _watching(record, snapshots, served=True, label=label):
+                llm, record["tokens"][label] = _greedy(run, fmt, distributed_executor_backend="uni")
             del llm
             gc.collect()
         record.update(_compare(snapshots))
+        if "landed" in snapshots:
+            landed = _compare({"auto": snapshots["auto"], "asyncslab": snapshots["landed"]})
+            record["landed"] = landed
         out[case["name"]] = record
     return out
 
@@ -272,6 +305,8 @@ def _greedy(case: dict[str, Any], fmt: str, **engine: Any) -> tuple[Any, list[li
     """An engine for ``case`` loaded with ``fmt``, and its greedy tokens for ``PROMPTS``."""
     from vllm import LLM, SamplingParams
 
+    if fmt == "asyncslab" and case.get("extra"):
+        engine.setdefault("model_loader_extra_config", case["extra"])
     llm = LLM(
         model=case["model"],
         load_format=fmt,
@@ -372,10 +407,75 @@ def reload(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def layers(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """``_vllm_process.LayerProcessing`` on a toy model of vLLM quantization methods that
+    record their processing: which modules it processes as their layer lands, and what
+    vLLM's pass then does to each."""
+    from torch import nn
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
+
+    from asyncslab.engines._vllm_process import LayerProcessing
+
+    calls: list[str] = []
+
+    class Recorded(QuantizeMethodBase):
+        def create_weights(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def apply(self, layer: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
+            raise NotImplementedError
+
+        def process_weights_after_loading(self, layer: nn.Module) -> None:
+            calls.append(layer.name)
+
+    class KV(BaseKVCacheMethod):
+        def process_weights_after_loading(self, layer: nn.Module) -> None:
+            calls.append(layer.name)
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(5))
+    shared_method, shared_weight = Recorded(), nn.Parameter(torch.ones(2), False)
+
+    def add(parent: nn.Module, attr: str, name: str, method: Any, weight: Any = None) -> None:
+        module = nn.Module()
+        module.name, module.quant_method = name, method
+        module.weight = weight if weight is not None else nn.Parameter(torch.ones(2), False)
+        setattr(parent, attr, module)
+
+    add(model.layers[0], "mlp", "own", Recorded())
+    add(model.layers[0], "attn", "attention", KV(None))
+    add(model.layers[1], "mlp", "method shared", shared_method)
+    add(model.layers[2], "mlp", "method shared too", shared_method)
+    add(model.layers[3], "mlp", "weight shared", Recorded(), shared_weight)
+    add(model.layers[4], "mlp", "weight shared too", Recorded(), shared_weight)
+    add(model, "norm", "outside the layers", Recorded())
+    processing = LayerProcessing.of(model, None, torch.device("cpu"))
+    assert processing is not None
+    for unit in ("layers.0", "layers.1", "layers.2", "layers.3", "layers.4"):
+        processing(unit)
+    early = list(calls)
+    calls.clear()
+    with processing.skipped_by_vllm():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+    in_vllms_pass = list(calls)
+    calls.clear()
+    model.layers[0].mlp.quant_method.process_weights_after_loading(model.layers[0].mlp)
+    return {"early": early, "in_vllms_pass": in_vllms_pass, "after_the_pass": list(calls)}
+
+
 def main() -> None:
     what, cases_path, out_path = sys.argv[1:4]
     cases = json.loads(Path(cases_path).read_text())
-    modes = {"loads": loads, "generate": generate, "tp": tensor_parallel, "reload": reload}
+    modes = {
+        "loads": loads,
+        "generate": generate,
+        "tp": tensor_parallel,
+        "reload": reload,
+        "layers": layers,
+    }
     result = modes[what](cases)
     Path(out_path).write_text(json.dumps(result, indent=1))
 
