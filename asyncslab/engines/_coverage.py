@@ -61,7 +61,7 @@ class IntoPlan:
     tensor writes again, by the engine's design (:mod:`._overwrites`): not read;
     ``shared`` every tensor that writes a byte another writes too. ``transformed_units``:
     per transformed tensor, the units of the engine's tensors it writes (none where the
-    recording saw it write nothing)."""
+    recording saw it write nothing), where asked for."""
 
     plan: Plan
     tensors: Mapping[str, torch.Tensor]
@@ -88,6 +88,7 @@ def plan_into(
     names: Mapping[str, str] | None = None,
     optional: Iterable[str] = (),
     order: Callable[[str], Any] | None = None,
+    units_written: bool = False,
 ) -> IntoPlan:
     """Plan ``checkpoint`` into the destinations ``captured`` recorded, checking that every
     byte of each ``required`` tensor (the engine's parameters, by name) is covered exactly
@@ -95,7 +96,9 @@ def plan_into(
     names the engine was given to checkpoint names (a prefix the engine adds), identity by
     default. Where the engine's loader writes a byte from several tensors by design (see
     :mod:`._overwrites`), the last in ``order`` (a sort key of the names the engine takes:
-    its reading order; by default the checkpoint's) stands."""
+    its reading order; by default the checkpoint's) stands. ``units_written``: the plan's
+    ``transformed_units`` filled in (a pass over every recorded copy: asked for by a load
+    that hands layers over as they land)."""
     to_checkpoint = names or {}
     tensors = checkpoint.tensors
     stored = _stored_order(checkpoint, to_checkpoint)
@@ -137,7 +140,11 @@ def plan_into(
         defaulted=defaulted,
         overwritten=overwritten,
         shared=frozenset(to_checkpoint.get(n, n) for n in resolved.shared),
-        transformed_units=_units_written(captured, transformed, to_checkpoint),
+        transformed_units=(
+            _units_written(captured, transformed, to_checkpoint)
+            if units_written
+            else MappingProxyType({})
+        ),
     )
 
 

@@ -130,16 +130,10 @@ def load_into_engine(
     given where each tensor the loader copies whole went (:mod:`._placement`), for a
     reload to read into again.
 
-    ``on_unit`` is called in this thread with each layer's unit (``layers.N``) as soon as
-    all its bytes are written, while later layers are still read (an engine processes a
-    layer's weights then): its reads landed, then the tensors the loader transforms that
-    write into that layer alone handed to the loader. A layer another transformed tensor
-    writes into too (or a byte of which two tensors write) is not handed over: the engine
-    processes it after the load, as the ``globals`` unit, what lies outside the layers.
-    By then the load holds no reference to the unit's tensors, and it holds none to
-    ``engine.parameters`` where that is a list (emptied once planned): a parameter that
-    ``on_unit`` replaces is freed as it drops it. If ``on_unit`` raises, the load is
-    cancelled and its error raised."""
+    ``on_unit`` is called in this thread with each layer (``layers.N``) once all its bytes
+    are written, while later layers are read (:class:`_Handover`). By then the load holds
+    nothing of it, nor ``engine.parameters`` where a list (emptied once planned): a
+    parameter ``on_unit`` replaces is freed as it drops it. Its error cancels the load."""
     options = options or LoadOptions()
     started = time.perf_counter()
     device = _one_device(engine.parameters)
@@ -155,41 +149,25 @@ def load_into_engine(
     with Prefault(p for _, p in engine.parameters):
         captured, derivation = _record(checkpoint, engine, names)
         recorded = time.perf_counter()
-        into = _plan(checkpoint, captured, engine, names, placed)
+        into = _plan(checkpoint, captured, engine, names, placed, on_unit is not None)
         del captured  # its views of every parameter, which outlive a layer's processing
         planned = time.perf_counter()
-        handed: list[str] = []
-        fed: set[str] = set()
-        early = _early(into) if on_unit is not None and into.plan.routes else None
-        if on_unit is not None and early is not None:
-            feed, late = early
-            if isinstance(engine.parameters, list):
-                engine.parameters.clear()
-            views = dict(into.tensors)
-            into = dataclasses.replace(into, tensors={})
-
-            def hand(unit: str) -> None:
-                if unit in late:
-                    return
-                if feed.get(unit):
-                    _transform(checkpoint, engine, feed[unit], names, options)
-                    fed.update(feed[unit])
-                on_unit(unit)
-                handed.append(unit)
-
+        views = dict(into.tensors)  # the SlabSet's from here on, let go of as layers land
+        into = dataclasses.replace(into, tensors={})
+        handover = _handover(checkpoint, engine, into, names, options, on_unit)
+        if handover is not None:
             loaded = _load_handing_units(
                 lambda ready: _load(checkpoint, into.plan, views, device, options, progress, ready),
-                hand,
+                handover,
             )
         # Every tensor transformed (a model served in another dtype): nothing to read, no
         # loop, threads or slabs to start for it.
         elif into.plan.routes:
-            views = dict(into.tensors)
             loaded = run_sync(_load(checkpoint, into.plan, views, device, options, progress))
         else:
             loaded = None
     reads_done = time.perf_counter()
-    rest = [name for name in into.transformed if name not in fed]
+    rest = [n for n in into.transformed if handover is None or n not in handover.fed]
     if rest:
         _transform(checkpoint, engine, rest, names, options)
     finished = time.perf_counter()
@@ -210,7 +188,7 @@ def load_into_engine(
         load_s=loaded.elapsed_s if loaded is not None else 0.0,
         transformed_s=finished - reads_done,
         total_s=finished - started,
-        handed=tuple(handed),
+        handed=tuple(handover.handed) if handover is not None else (),
     )
 
 
@@ -236,6 +214,7 @@ def _plan(
     engine: Engine,
     names: Mapping[str, str],
     placed: Callable[[Placement], object] | None,
+    handing: bool,
 ) -> IntoPlan:
     into = plan_into(
         checkpoint,
@@ -244,6 +223,7 @@ def _plan(
         names=names,
         optional=engine.optional,
         order=engine.order,
+        units_written=handing,
     )
     if placed is not None:
         placed(
@@ -305,6 +285,25 @@ async def _load(
         await slabs.aclose()
 
 
+def _handover(
+    checkpoint: Checkpoint,
+    engine: Engine,
+    into: IntoPlan,
+    names: Mapping[str, str],
+    options: LoadOptions,
+    on_unit: Callable[[str], object] | None,
+) -> _Handover | None:
+    """How each layer is handed to ``on_unit`` as it lands, or ``None`` where none can be
+    (no ``on_unit``, nothing read in place, or no layer known complete before the end).
+    The engine's parameter list, if one, is emptied: the load needs it no more."""
+    early = _early(into) if on_unit is not None and into.plan.routes else None
+    if on_unit is None or early is None:
+        return None
+    if isinstance(engine.parameters, list):
+        engine.parameters.clear()
+    return _Handover(checkpoint, engine, names, options, on_unit, *early)
+
+
 def _early(into: IntoPlan) -> tuple[dict[str, list[str]], frozenset[str]] | None:
     """Per layer, the transformed tensors that write into it alone, to be handed to the
     loader once its reads have landed, in the order the loader takes them; and the layers
@@ -323,6 +322,34 @@ def _early(into: IntoPlan) -> tuple[dict[str, list[str]], frozenset[str]] | None
         else:
             feed.setdefault(unit, []).append(name)
     return feed, frozenset(late)
+
+
+@dataclass
+class _Handover:
+    """Hands each layer to ``on_unit`` as it lands, after the transformed tensors that write
+    into it alone (``feed``, to the loader in its order), unless it waits for the end
+    (``late``: a transformed tensor writes it with another layer; the ``globals`` unit is
+    never handed over); keeps what it handed and fed."""
+
+    checkpoint: Checkpoint
+    engine: Engine
+    names: Mapping[str, str]
+    options: LoadOptions
+    on_unit: Callable[[str], object]
+    feed: Mapping[str, list[str]]
+    late: frozenset[str]
+    handed: list[str] = dataclasses.field(default_factory=list)
+    fed: set[str] = dataclasses.field(default_factory=set)
+
+    def __call__(self, unit: str) -> None:
+        if unit in self.late:
+            return
+        feed = self.feed.get(unit, [])
+        if feed:
+            _transform(self.checkpoint, self.engine, feed, self.names, self.options)
+            self.fed.update(feed)
+        self.on_unit(unit)
+        self.handed.append(unit)
 
 
 def _load_handing_units(

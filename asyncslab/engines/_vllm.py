@@ -71,9 +71,8 @@ def register() -> None:
 #: mappings, which measured faster; docs/vllm.md, "Reloading in place").
 #: ``process_as_loaded``: each layer's weights processed as soon as it has landed, while
 #: later layers are read (:mod:`._vllm_process`); else all after the load, as vLLM does.
-#: Off by default: on a CPU the processing's threads and the reads share the cores, and
-#: the measured gain is where the reads wait on a network (docs/vllm.md, "Processing each
-#: layer as it lands").
+#: Off by default: where the processing's threads and the reads share a few cores it
+#: measured no faster (docs/vllm.md, "Processing each layer as it lands").
 _LOADER_KEYS = ("place_local_files", "process_as_loaded")
 
 
