@@ -14,7 +14,9 @@
 # (default 90); it exits 1 if a tensor or the logits differ. Where vLLM is importable, a
 # block-wise FP8 MoE is served with both load formats (VLLM_FP8_TIMEOUT, default 240 s), and
 # VLLM_BENCH_TIMEOUT=N (seconds; default 0: skipped, it does not fit the same 10 minutes)
-# adds benchmarks/vllm_bench.py --device cuda, one round.
+# adds benchmarks/vllm_bench.py --device cuda, one round; VLLM_MODEL_TIMEOUT=N (default 0:
+# skipped) its get_model path, 3 rounds, each layer processed after the load (the default)
+# and as it lands (asyncslab-landed), beside auto.
 set -uo pipefail
 results=${RESULTS:-${OUT:-gpu-results}}
 mkdir -p "$results"
@@ -69,5 +71,14 @@ if [ "${VLLM_BENCH_TIMEOUT:-0}" -gt 0 ]; then
       --rounds 1 --json "$results/vllm_bench.json" 2>&1 | tee "$results/vllm_bench.log"
   else
     echo "vLLM is not importable here: benchmarks/vllm_bench.py skipped" | tee "$results/vllm_bench.log"
+  fi
+fi
+if [ "${VLLM_MODEL_TIMEOUT:-0}" -gt 0 ]; then
+  if python3 -c "import vllm" 2>/dev/null; then
+    timeout -k 10 "$VLLM_MODEL_TIMEOUT" python3 -m benchmarks.vllm_bench --device cuda \
+      --paths model --rounds 3 --only auto,asyncslab,asyncslab-landed \
+      --json "$results/vllm_model.json" 2>&1 | tee "$results/vllm_model.log"
+  else
+    echo "vLLM is not importable here: the get_model path skipped" | tee "$results/vllm_model.log"
   fi
 fi

@@ -101,7 +101,10 @@ LIBRARY = (
 #: The raw bounds: asyncslab is judged against the faster of them in each round.
 BOUNDS = ("raw-bound", "raw-bound-threads")
 VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
-CONTENDERS = (*LIBRARY, *VLLM)
+#: vLLM's whole get_model from the bucket (create, load, collect, process; the seconds are
+#: get_model's): each layer processed as it lands, or all after the load (the default).
+VLLM_MODEL = ("vllm-model:asyncslab-landed", "vllm-model:asyncslab")
+CONTENDERS = (*LIBRARY, *VLLM, *VLLM_MODEL)
 MODELS = ("mixtral", "exl3")
 LINKS = ("local", "remote", "gcs", "azure")
 #: How the remote link is emulated: ``support/s3server.py``'s SpliceLink or FaultProxy.
@@ -271,9 +274,10 @@ def missing(contender: str, link: str = "local") -> str | None:
         return f"not available: pip install {client.replace('_', '-')}"
     if contender.endswith("tensorizer") and importlib.util.find_spec("tensorizer") is None:
         return "not available: pip install tensorizer"
-    if contender.startswith("vllm:") and importlib.util.find_spec("vllm") is None:
+    if contender.startswith("vllm") and importlib.util.find_spec("vllm") is None:
         return "not available: vLLM is not installed"
-    if contender == "vllm:asyncslab" and importlib.util.find_spec(VLLM_OBJECT_STORE_MODULE) is None:
+    ours = contender.startswith("vllm") and "asyncslab" in contender
+    if ours and importlib.util.find_spec(VLLM_OBJECT_STORE_MODULE) is None:
         return "not available: vLLM + asyncslab does not take s3:// yet"
     return None
 
@@ -297,7 +301,7 @@ def child(contender: str, uri: str, link: Link, config: Path | None = None) -> d
         if config is not None:
             command += ["--config", str(config)]
         mark = RESULT
-        if contender.startswith("vllm:"):
+        if contender.startswith("vllm"):
             # As vllm_bench.py runs its children: a small KV cache, quiet logs.
             env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING")
     run = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -432,8 +436,15 @@ def child_vllm(contender: str, uri: str, config: str | None) -> dict[str, Any]:
     ``vllm:tensorizer`` builds the model from ``config``, its weights from the tensorizer
     object ``uri`` (vLLM's extra config, flat: vLLM moves the keys into its own)."""
     from benchmarks.vllm_bench import CONTENDERS as VLLM_CONTENDERS
-    from benchmarks.vllm_bench import child_load
+    from benchmarks.vllm_bench import child_get_model, child_load
 
+    if contender.startswith("vllm-model:"):
+        rec = child_get_model(uri, contender.removeprefix("vllm-model:"), "cpu")
+        rec["seconds"] = rec["get_model_s"]
+        rec["peak_growth"] = rec["peak_rss_growth"]
+        rec["checksum"] = rec["model_checksum"]
+        rec["bytes"] = 0  # the load's bytes are vllm:asyncslab's; no GB/s of a get_model
+        return rec
     name = contender.removeprefix("vllm:")
     if name == "tensorizer":
         assert config is not None, "vllm:tensorizer needs the model's --config directory"
@@ -603,7 +614,7 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
             if (link, model, "tensorizer") in by:
                 ratio = _paired(runs, link, model, "asyncslab", "tensorizer")
                 lines.append(_verdict(f"{where}: asyncslab / tensorizer", ratio, 1.0, below=True))
-            ran_vllm = any(c.startswith("vllm:") and (link, model, c) in by for c in CONTENDERS)
+            ran_vllm = any(c.startswith("vllm:") and (link, model, c) in by for c in VLLM)
             if model == "mixtral" and ran_vllm:
                 speedup = _paired(runs, link, model, "vllm:runai_streamer", "vllm:asyncslab")
                 lines.append(
@@ -621,6 +632,14 @@ def targets(rows: list[dict[str, Any]], runs: list[dict[str, Any]]) -> list[str]
                     lines.append(
                         f"info  {where}: vLLM parameter checksums {'equal' if same else sums}"
                     )
+            if all((link, model, c) in by for c in VLLM_MODEL):
+                early, after = VLLM_MODEL
+                ratio = _paired(runs, link, model, early, after)
+                shown = "not measured" if ratio is None else f"{ratio:.2f}"
+                lines.append(f"info  {where}: vLLM get_model, layers as landed / after: {shown}")
+                sums = {c: by[(link, model, c)]["checksums"] for c in VLLM_MODEL}
+                same = len({tuple(v) for v in sums.values()}) == 1
+                lines.append(f"info  {where}: processed checksums {'equal' if same else sums}")
     return lines
 
 
