@@ -66,7 +66,8 @@ class SlabMemory:
         else:
             self._route_bytes = list(map(self._given.__getitem__, slabs))
         self.tracker = Tracker(plan)
-        self._unit_routes: dict[str, list[int]] | None = None
+        # Per unit, its slabs and the run plan's routes into them (for release, when asked).
+        self._units: dict[str, tuple[list[str], list[int]]] | None = None
         # Plans are immutable and the slabs stay put, so a reload with the same options
         # reuses its reads, destinations included.
         self.read_plans: dict[tuple[str, int, int], Reads] = {}
@@ -81,17 +82,20 @@ class SlabMemory:
         their memory once it drops them too (its processing replacing a layer's weights while
         later layers load). Only for given tensors, and only once no read writes into them."""
         assert self._given is not None, "an allocation of asyncslab's own is freed whole"
-        names = [name for name, spec in self.plan.slabs.items() if spec.unit == unit]
-        for name in names:
+        if self._units is None:
+            # Once per plan, not a pass over every slab and route per layer (on the loop).
+            self._units = {}
+            for name, spec in self.plan.slabs.items():
+                self._units.setdefault(spec.unit, ([], []))[0].append(name)
+            for route, of in enumerate(route_column(self.run_plan.routes, "unit")):
+                self._units.setdefault(of, ([], []))[1].append(route)
+        slabs, routes = self._units.get(unit, ((), ()))
+        for name in slabs:
             self._tensors.pop(name, None)
             self._given.pop(name, None)
-        if self._unit_routes is None:  # once per plan: a layer a call over every route adds up
-            self._unit_routes = {}
-            for route, of in enumerate(route_column(self.run_plan.routes, "unit")):
-                self._unit_routes.setdefault(of, []).append(route)
         # The sink's per-route list is this one: its copies see the entries go too.
         released = torch.empty(0, dtype=torch.uint8, device=self.device)
-        for route in self._unit_routes.get(unit, ()):
+        for route in routes:
             self._route_bytes[route] = released
         self.released.add(unit)
 
