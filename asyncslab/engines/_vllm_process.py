@@ -59,10 +59,15 @@ class LayerProcessing:
         methods: dict[int, set[str]] = defaultdict(set)  # a method's modules' units
         units: dict[int, set[str]] = defaultdict(set)  # a storage's names' units
         candidates: list[tuple[nn.Module, QuantizeMethodBase]] = []
+        seen: set[int] = set()
         for name, module in model.named_modules(remove_duplicate=False):
             method = getattr(module, "quant_method", None)
             if not isinstance(method, QuantizeMethodBase):
                 continue
+            if id(module) in seen:  # one module under two names: its method's units tell
+                methods[id(method)].add(unit_of_layer(f"{name}.") if name else "globals")
+                continue
+            seen.add(id(module))
             if method.uses_meta_device:  # online quantization: vLLM's layerwise path
                 return None
             unit = unit_of_layer(f"{name}.") if name else "globals"

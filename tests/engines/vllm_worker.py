@@ -443,6 +443,7 @@ def layers(cases: list[dict[str, Any]]) -> dict[str, Any]:
         setattr(parent, attr, module)
 
     add(model.layers[0], "mlp", "own", Recorded())
+    model.layers[0].again = model.layers[0].mlp  # one module under two names: processed once
     add(model.layers[0], "attn", "attention", KV(None))
     add(model.layers[1], "mlp", "method shared", shared_method)
     add(model.layers[2], "mlp", "method shared too", shared_method)
