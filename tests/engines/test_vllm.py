@@ -615,7 +615,7 @@ def _assert_only_new_objects_collected(name: str, collections: dict[str, Any]) -
 def test_greedy_tokens_of_a_quantized_model_equal_autos(
     models: dict[str, Path], tmp_path: Path
 ) -> None:
-    cases = [_case(n, models[n], kernels=k) for n, k in KERNELS.items()]
+    cases = [_case(n, models[n], kernels=k, landed=True) for n, k in KERNELS.items()]
     result = _worker("generate", cases, tmp_path)
     missing = {n: r["missing_kernels"] for n, r in result.items() if "missing_kernels" in r}
     if missing:
@@ -623,6 +623,7 @@ def test_greedy_tokens_of_a_quantized_model_equal_autos(
     _assert_greedy_equal(result)
     # vLLM ran the AWQ model on its quantized path: packed int32 parameters, not weights.
     assert "int32" in result["llama-awq"]["dtypes"].values()
+    assert _handed(result["llama-awq"]) == LAYERS  # repacked as each layer landed
 
 
 def test_reload_weights_in_place_reads_the_new_checkpoint_with_asyncslab(
