@@ -103,8 +103,10 @@ BOUNDS = ("raw-bound", "raw-bound-threads")
 VLLM = ("vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
 #: vLLM's whole get_model from the bucket (create, load, collect, process; the seconds are
 #: get_model's): each layer processed as it lands, or all after the load (the default).
+#: Run when named in --contenders, not by default.
 VLLM_MODEL = ("vllm-model:asyncslab-landed", "vllm-model:asyncslab")
 CONTENDERS = (*LIBRARY, *VLLM, *VLLM_MODEL)
+DEFAULT_CONTENDERS = (*LIBRARY, *VLLM)
 MODELS = ("mixtral", "exl3")
 LINKS = ("local", "remote", "gcs", "azure")
 #: How the remote link is emulated: ``support/s3server.py``'s SpliceLink or FaultProxy.
@@ -662,7 +664,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", default=",".join(MODELS), help="of: " + ", ".join(MODELS))
     ap.add_argument("--links", default=",".join(LINKS), help="of: " + ", ".join(LINKS))
     ap.add_argument(
-        "--contenders", default=",".join(CONTENDERS), help="of: " + ", ".join(CONTENDERS)
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help="of: " + ", ".join(CONTENDERS) + " (default: all but the vllm-model ones)",
     )
     ap.add_argument("--exl3-size", type=parse_size, default=3 << 30)
     ap.add_argument("--latency-ms", type=float, default=20.0, help="the remote link's, per request")

@@ -138,7 +138,8 @@ def test_the_raw_bound_is_the_one_with_the_lower_median_not_each_rounds_minimum(
 @pytest.mark.timeout(900)  # two models, two links, four vLLM processes: minutes on 2 cores
 def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     """Every (link, model, contender) gets a row with a time, or says it is not available
-    (a peer or vLLM not installed); none failed; the tables and the targets are printed."""
+    (a peer or vLLM not installed); none failed; the tables and the targets are printed.
+    Every contender is named, vLLM's whole get_model (run only when named) included."""
     out = tmp_path / "run.json"
     command = [
         sys.executable,
@@ -147,6 +148,8 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
         "--quick",
         "--rounds",
         "1",
+        "--contenders",
+        ",".join(s3_bench.CONTENDERS),
         "--workdir",
         str(tmp_path / "work"),
         "--json",
@@ -165,7 +168,7 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
         "raw-bound",
         "raw-bound-threads",
     )
-    mixtral_only = ("tensorizer", "vllm:asyncslab", "vllm:runai_streamer", "vllm:tensorizer")
+    mixtral_only = ("tensorizer", *s3_bench.VLLM, *s3_bench.VLLM_MODEL)
     expected = {
         (link, model, contender)
         for link in ("local", "remote")
@@ -189,3 +192,6 @@ def test_the_quick_mode_reports_every_row(tmp_path: Path) -> None:
     assert "targets (measured vs goal; never asserted):" in run.stdout
     assert "asyncslab / the faster raw bound" in run.stdout
     assert "asyncslab / asyncslab:obstore" in run.stdout
+    if seen[("local", "mixtral", "vllm-model:asyncslab")]["status"] == "ok":
+        assert "vLLM get_model, layers as landed / after" in run.stdout
+        assert "processed checksums equal" in run.stdout
