@@ -835,7 +835,9 @@ def test_the_time_to_ready_benchmark_serves_both_formats(
         (server,) = result[fmt]
         assert "error" not in server, server
         assert 0 < server["health_s"] <= server["first_completion_s"]
-        assert 0 < server["weights_s"] < server["health_s"]
+        # vLLM logs the weights' seconds to 2 decimals: a tiny model's may read 0.00.
+        assert server["weights_s"] is not None
+        assert 0 <= server["weights_s"] < server["health_s"]
         assert server["init_engine_s"] > 0
         assert server["model_load_at_s"] is not None
 
